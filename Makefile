@@ -1,0 +1,45 @@
+# One entry point. `make demo` runs the default job, `make test` runs the test suite; both create
+# .venv and install everything on first use.
+#
+# Which torch: TORCH_SPEC/TORCH_INDEX choose the build installed into .venv before the project.
+# The default is the CPU build that CI uses. On a GPU machine pick a CUDA build, e.g.
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# or install your own torch into .venv first: a torch that is already importable is kept.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+NPROC ?= 2
+CONFIG ?= configs/tiny.yaml
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+		$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m launcher --config $(CONFIG)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	$(BIN)/python bench/loop_overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,178 @@
+"""The inner training loop: epochs of optimizer steps of micro-batches, through an Engine.
+
+Host syncs happen only on steps that log: other steps queue work and never call `.item()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from core.callbacks import CallbackHandler, TrainerCallback, TrainerControl
+from core.config import Config
+from core.engines.base import Engine
+from core.loader import make_dataloader
+from core.sampler import ResumableDistributedSampler
+from core.state import TrainState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands, as plain values (the launcher reads the environment)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def plan_steps(config: Config, sampler: ResumableDistributedSampler) -> tuple[int, int]:
+    """(optimizer steps per epoch, total optimizer steps); max_steps wins over num_epochs."""
+    tc = config.train
+    per_epoch = math.ceil(
+        sampler.batches_per_epoch(config.data.drop_last) / tc.gradient_accumulation_steps
+    )
+    if per_epoch == 0:
+        raise ValueError("an epoch holds no batch; lower train.per_device_batch_size")
+    return per_epoch, tc.max_steps or (tc.num_epochs or 0) * per_epoch
+
+
+class Trainer:
+    """Runs `config.train` over `dataset` with `engine`; `state` and `sampler` are Stateful."""
+
+    def __init__(
+        self,
+        config: Config,
+        engine: Engine,
+        dataset: Dataset[Any],
+        sampler: ResumableDistributedSampler,
+        collate_fn: Callable[[list[Any]], Any],
+        lengths: np.ndarray,
+        dist_info: DistInfo,
+        callbacks: list[TrainerCallback] | None = None,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.dataset = dataset
+        self.sampler = sampler
+        self.collate_fn = collate_fn
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.dist = dist_info
+        self.state = TrainState()
+        self.control = TrainerControl()
+        self.callbacks = CallbackHandler(callbacks or [])
+        self.steps_per_epoch, self.total_steps = plan_steps(config, sampler)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def train(self) -> TrainState:
+        state, control = self.state, self.control
+        self.engine.train()
+        self._fire("on_train_begin")
+        self._last_log = (time.perf_counter(), state.global_step)
+        while state.global_step < self.total_steps and not control.should_training_stop:
+            if self.sampler.epoch != state.epoch:
+                self.sampler.set_epoch(state.epoch)
+            self._train_epoch()
+            if self.sampler.position >= self.sampler.total_size:
+                state.epoch += 1
+        self._fire("on_train_end")
+        return state
+
+    def _train_epoch(self) -> None:
+        """Optimizer steps from the sampler's position to the end of its epoch (or a stop)."""
+        state, tc = self.state, self.config.train
+        loader = make_dataloader(
+            self.dataset,
+            self.sampler,
+            self.collate_fn,
+            self.config.data.num_workers,
+            self.config.data.drop_last,
+            self.config.run.seed,
+            self.dist.rank,
+            pin_memory=self.engine.device.type == "cuda",
+        )
+        sizes = self._micro_batch_sizes()
+        order = self.sampler.epoch_order()
+        batches = iter(loader)
+        while sizes and state.global_step < self.total_steps:
+            n = min(tc.gradient_accumulation_steps, len(sizes))
+            step_sizes, sizes = sizes[:n], sizes[n:]
+            self._train_step(batches, step_sizes, order)
+            self._fire("on_step_end")
+            if self.control.should_training_stop:
+                break
+
+    def _micro_batch_sizes(self) -> list[int]:
+        """Per-rank sizes of the micro-batches left in the epoch, as the DataLoader yields them."""
+        remaining, b = len(self.sampler), self.sampler.batch_size
+        sizes = [b] * (remaining // b)
+        if remaining % b and not self.config.data.drop_last:
+            sizes.append(remaining % b)
+        return sizes
+
+    def _train_step(self, batches: Iterator[Any], sizes: list[int], order: np.ndarray) -> None:
+        state, engine = self.state, self.engine
+        step = state.global_step + 1
+        will_log = step % self.config.train.logging_steps == 0 or step == self.total_steps
+        lr = engine.schedule.last_lr()
+        losses = []
+        for i, _ in enumerate(sizes):
+            batch = next(batches)
+            with engine.accumulate(sync=i == len(sizes) - 1):
+                loss = engine.forward(batch)
+                engine.backward(loss, len(sizes))
+            if will_log:
+                losses.append(loss.detach())
+        grad_norm = engine.optimizer_step(self.config.train.max_grad_norm)
+
+        consumed = sum(sizes) * self.dist.world_size
+        start = self.sampler.position
+        state.tokens_seen += int(self.lengths[order[start : start + consumed]].sum())
+        state.samples_seen += consumed
+        self.sampler.advance(consumed)
+        state.global_step = step
+        if will_log:
+            self._log(losses, grad_norm, lr)
+
+    # -- logging -----------------------------------------------------------------------------
+    def _log(self, losses: list[torch.Tensor], grad_norm: torch.Tensor | None, lr: float) -> None:
+        state = self.state
+        # One collective carries the loss; float64 keeps the sum over ranks exact and ordered.
+        total = torch.stack(losses).to(torch.float64).sum().reshape(1)
+        if self.dist.world_size > 1:
+            dist.all_reduce(total)
+        loss = total.item() / (self.dist.world_size * len(losses))
+        now = time.perf_counter()
+        t0, s0 = self._last_log
+        self._last_log = (now, state.global_step)
+        logs: dict[str, Any] = {
+            "step": state.global_step,
+            "loss": loss,
+            "lr": lr,
+            "epoch": state.epoch + self.sampler.position / self.sampler.total_size,
+            "samples": state.samples_seen,
+            "tokens": state.tokens_seen,
+            "step_time_s": (now - t0) / max(1, state.global_step - s0),
+        }
+        if grad_norm is not None:
+            logs["grad_norm"] = grad_norm.item()
+        self.engine.schedule.observe(loss)
+        state.log_history.append(logs)
+        self._fire("on_log", logs=logs)
+
+    def _fire(self, event: str, **kwargs: Any) -> None:
+        self.callbacks.fire(event, self.config, self.state, self.control, **kwargs)

@@ -1,0 +1,89 @@
+"""Builds a training run from a Config: data, sampler, model, optimizer, schedule, engine, loop."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from core.callbacks import TrainerCallback
+from core.config import Config
+from core.data import build_dataset, collate, sample_lengths
+from core.engines.ddp import DDPEngine
+from core.loop import DistInfo, Trainer, plan_steps
+from core.metrics import JsonlMetrics, Progress
+from core.models import build_model
+from core.optim import build_optimizer
+from core.sampler import ResumableDistributedSampler
+from core.schedules import build_schedule
+from core.seeding import enable_full_determinism, set_seed
+
+logger = logging.getLogger(__name__)
+
+
+def build_trainer(
+    config: Config,
+    dist_info: DistInfo,
+    device: torch.device,
+    callbacks: list[TrainerCallback] | None = None,
+) -> Trainer:
+    """Everything a run needs, built in a fixed order so that seeding decides all of it."""
+    if config.run.full_determinism:
+        enable_full_determinism(config.run.seed)
+    else:
+        set_seed(config.run.seed)
+
+    dataset = build_dataset(config.data)
+    lengths = sample_lengths(dataset)
+    sampler = ResumableDistributedSampler(
+        num_samples=len(dataset),
+        num_replicas=dist_info.world_size,
+        rank=dist_info.rank,
+        batch_size=config.train.per_device_batch_size,
+        seed=config.run.seed,
+        drop_last=config.data.drop_last,
+        lengths=lengths if config.data.group_by_length else None,
+    )
+    _, total_steps = plan_steps(config, sampler)
+
+    model = build_model(config.model).to(device)
+    optimizer = build_optimizer(model, config.optim, device)
+    sc = config.scheduler
+    schedule = build_schedule(
+        optimizer, sc.name, total_steps, sc.warmup_steps, sc.warmup_ratio, sc.kwargs
+    )
+    engine = DDPEngine(
+        model,
+        optimizer,
+        schedule,
+        device,
+        bf16=config.train.bf16,
+        find_unused_parameters=config.engine.find_unused_parameters,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    if dist_info.is_main:
+        logger.info(
+            "model %s: %.2fM parameters; %d samples, %d steps on %d rank(s), device %s",
+            config.model.name,
+            n_params / 1e6,
+            len(dataset),
+            total_steps,
+            dist_info.world_size,
+            device,
+        )
+    reporters: list[TrainerCallback] = []
+    if dist_info.is_main:
+        reporters = [
+            JsonlMetrics(config.run.output_dir),
+            Progress(total_steps, config.train.progress_bar),
+        ]
+    return Trainer(
+        config,
+        engine,
+        dataset,
+        sampler,
+        collate,
+        lengths,
+        dist_info,
+        callbacks=[*reporters, *(callbacks or [])],
+    )

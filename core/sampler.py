@@ -1,0 +1,159 @@
+"""A resumable distributed sampler: a seeded permutation of the global index space, sliced by rank.
+
+torch's DistributedSampler cannot resume mid-epoch without iterating the skipped indices, and its
+state is implicit. Ours has an explicit `position` (global samples consumed in the epoch), so a
+resume jumps to any batch in O(1) batches fetched: the epoch's permutation is recomputed from the
+stored generator state (the same O(N) work at any position) and iteration starts at `position`.
+
+Order: rank r takes `order[position + r], order[position + r + world], ...`. Interleaving keeps
+the global order independent of the rank count: one global micro-batch is `world * batch_size`
+consecutive entries of `order`.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+# Megabatches of this many global micro-batches are sorted by length when grouping (as the
+# Hugging Face LengthGroupedSampler does with its mega_batch_mult).
+MEGABATCH_MULT = 50
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """Yields this rank's dataset indices for the current epoch, starting at `position`.
+
+    The loop calls `advance(n)` with the global number of samples it has consumed (all ranks,
+    whole micro-batches) and `set_epoch(e)` at every epoch start; `state_dict()` is then enough
+    to continue at the exact next batch.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        num_replicas: int,
+        rank: int,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        lengths: Sequence[int] | None = None,
+    ) -> None:
+        if num_samples <= 0:
+            raise ValueError("the dataset is empty")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} out of range for {num_replicas} replicas")
+        if lengths is not None and len(lengths) != num_samples:
+            raise ValueError("lengths must have one entry per sample")
+        self.num_samples = num_samples
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.lengths = np.asarray(lengths, dtype=np.int64) if lengths is not None else None
+        global_batch = batch_size * num_replicas
+        if drop_last:
+            self.total_size = (num_samples // global_batch) * global_batch
+            if self.total_size == 0:
+                raise ValueError(
+                    f"the dataset has {num_samples} samples, fewer than one global batch "
+                    f"({batch_size} x {num_replicas} ranks); lower the batch size or "
+                    "set data.drop_last: false"
+                )
+        else:
+            # Pad by wrapping around so every rank sees the same number of samples.
+            self.total_size = -(-num_samples // num_replicas) * num_replicas
+        self.epoch = 0
+        self.position = 0
+        self._generator_state = self._seeded_state(0)
+
+    # -- epoch and position -------------------------------------------------------------------
+    def _seeded_state(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        return g.get_state()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its first sample."""
+        self.epoch = epoch
+        self.position = 0
+        self._generator_state = self._seeded_state(epoch)
+
+    def advance(self, num_global_samples: int) -> None:
+        """Record that all ranks together consumed this many more samples of the epoch."""
+        self.position += num_global_samples
+
+    @property
+    def samples_per_rank(self) -> int:
+        """Samples this rank sees in a whole epoch."""
+        return self.total_size // self.num_replicas
+
+    def batches_per_epoch(self, drop_last_batch: bool) -> int:
+        """Micro-batches per rank in a whole epoch, as a DataLoader over this sampler yields."""
+        n = self.samples_per_rank
+        return n // self.batch_size if drop_last_batch else -(-n // self.batch_size)
+
+    # -- the order ----------------------------------------------------------------------------
+    def epoch_order(self) -> np.ndarray:
+        """The global order of the current epoch (total_size indices, identical on every rank)."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.set_state(self._generator_state)
+            order = torch.randperm(self.num_samples, generator=g).numpy()
+        else:
+            order = np.arange(self.num_samples)
+        if self.total_size <= self.num_samples:
+            order = order[: self.total_size]
+        else:
+            order = np.resize(order, self.total_size)  # wrap-around padding
+        if self.lengths is not None:
+            order = self._group_by_length(order)
+        return order
+
+    def _group_by_length(self, order: np.ndarray) -> np.ndarray:
+        mega = self.batch_size * self.num_replicas * MEGABATCH_MULT
+        out = np.empty_like(order)
+        for start in range(0, len(order), mega):
+            chunk = order[start : start + mega]
+            # Stable descending sort: ties keep the shuffled order, so the result is deterministic.
+            keys = -self.lengths[chunk]
+            out[start : start + len(chunk)] = chunk[np.argsort(keys, kind="stable")]
+        return out
+
+    def __iter__(self) -> Iterator[int]:
+        if self.position % self.num_replicas:
+            raise RuntimeError(f"position {self.position} is not a multiple of the world size")
+        mine = self.epoch_order()[self.position + self.rank :: self.num_replicas]
+        return iter(mine.tolist())
+
+    def __len__(self) -> int:
+        return max(0, (self.total_size - self.position) // self.num_replicas)
+
+    # -- Stateful -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "generator_state": base64.b64encode(self._generator_state.numpy().tobytes()).decode(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(
+                f"sampler state is for {state['num_samples']} samples, "
+                f"the dataset has {self.num_samples}"
+            )
+        self.seed = state["seed"]
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+        raw = np.frombuffer(base64.b64decode(state["generator_state"]), dtype=np.uint8)
+        self._generator_state = torch.from_numpy(raw.copy())

@@ -1,0 +1,65 @@
+"""The only place that reads torchrun's environment and owns the process group."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from core.config import EngineConfig
+from core.loop import DistInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    info: DistInfo
+    device: torch.device
+    backend: str | None  # None: a single process without a process group
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def init_distributed(cfg: EngineConfig, timeout_s: float = 1800.0) -> DistContext:
+    """Read RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun), pick the device, init the group.
+
+    Without torchrun's variables this is one process and no process group is created.
+    """
+    rank = env_rank()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError("engine.device is cuda but CUDA is not available")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = None
+    if "WORLD_SIZE" in os.environ:
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+    return DistContext(DistInfo(rank, world_size, local_rank), device, backend)
+
+
+def destroy_distributed(clean: bool) -> None:
+    """Tear the group down. After a clean finish all ranks meet first, so no rank closes its
+    connections while a peer is still using them; after an error a peer may be gone."""
+    if dist.is_initialized():
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()

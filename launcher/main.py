@@ -1,0 +1,77 @@
+"""`python -m launcher --config FILE [--section.key VALUE ...]`, alone or under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from core.config import Config, ConfigError, dump_config, load_config
+from core.data import DataError
+from launcher import exit_codes
+from launcher.dist import destroy_distributed, env_rank, init_distributed
+from launcher.logs import setup_logging
+
+logger = logging.getLogger("launcher")
+
+USAGE_ERRORS = (ConfigError, DataError)
+
+
+def parse_args(argv: list[str] | None) -> tuple[str | None, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher",
+        description="Train under torchrun with resumable checkpoints. Any config field can be "
+        "overridden as --section.key VALUE (e.g. --train.max_steps 50).",
+    )
+    parser.add_argument("--config", help="YAML config file (default: configs/tiny.yaml)")
+    args, overrides = parser.parse_known_args(argv)
+    return args.config, overrides
+
+
+def write_resolved_config(config: Config) -> None:
+    out = Path(config.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_config(config))
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    rank = env_rank()
+    setup_logging(rank)
+    try:
+        config_path, overrides = parse_args(argv)
+        config = load_config(config_path, overrides)
+    except ConfigError as e:
+        if rank == 0:
+            logger.error("%s", e)
+        return exit_codes.USAGE
+    setup_logging(rank, config.run.log_level)
+    if config.run.full_determinism:
+        # cuBLAS reads this when CUDA initialises, so it must be set before anything touches CUDA.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+    from core.run import build_trainer  # imported late: the config error path stays fast
+
+    ctx = init_distributed(config.engine)
+    clean = False
+    try:
+        trainer = build_trainer(config, ctx.info, ctx.device)
+        if ctx.info.is_main:
+            write_resolved_config(config)
+        state = trainer.train()
+        if ctx.info.is_main:
+            logger.info("done: %d steps, %d samples", state.global_step, state.samples_seen)
+        clean = True
+        return exit_codes.OK
+    except USAGE_ERRORS as e:
+        if ctx.info.is_main:
+            logger.error("%s", e)
+        return exit_codes.USAGE
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        return exit_codes.INTERRUPTED
+    finally:
+        destroy_distributed(clean)

@@ -1,0 +1,46 @@
+"""Shared fixtures. The autouse guard fails a test that leaks env vars, a process group or threads
+(in the spirit of Lightning's tests_fabric/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parent.parent
+# Set by pytest itself, or by torch on first use of its compiler stack: not a test's leak.
+ENV_ALLOWED = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    env_before = dict(os.environ)
+    threads_before = {t.ident for t in threading.enumerate()}
+    yield
+    leaked_env = {
+        k
+        for k in set(os.environ) | set(env_before)
+        if os.environ.get(k) != env_before.get(k) and k not in ENV_ALLOWED
+    }
+    os.environ.clear()
+    os.environ.update(env_before)
+    assert not leaked_env, f"test leaked environment variables: {sorted(leaked_env)}"
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("test leaked an initialised process group")
+    leaked = [
+        t
+        for t in threading.enumerate()
+        if t.ident not in threads_before and t.is_alive() and not t.daemon
+    ]
+    assert not leaked, f"test leaked threads: {[t.name for t in leaked]}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
