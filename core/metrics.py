@@ -45,6 +45,7 @@ class JsonlMetrics(TrainerCallback):
 
     def on_train_begin(self, config: Config, state: TrainState, control: TrainerControl) -> None:
         # A fresh run starts a fresh file; a resumed run drops records past its step.
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         truncate_metrics(self.path, state.global_step)
         self._file = self.path.open("a")
 

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from core.callbacks import TrainerCallback
-from core.config import Config
+from core.config import Config, ConfigError
 from core.data import build_dataset, collate, sample_lengths
 from core.engines.ddp import DDPEngine
 from core.loop import DistInfo, Trainer, plan_steps
@@ -35,23 +35,29 @@ def build_trainer(
 
     dataset = build_dataset(config.data)
     lengths = sample_lengths(dataset)
-    sampler = ResumableDistributedSampler(
-        num_samples=len(dataset),
-        num_replicas=dist_info.world_size,
-        rank=dist_info.rank,
-        batch_size=config.train.per_device_batch_size,
-        seed=config.run.seed,
-        drop_last=config.data.drop_last,
-        lengths=lengths if config.data.group_by_length else None,
-    )
-    _, total_steps = plan_steps(config, sampler)
+    try:
+        sampler = ResumableDistributedSampler(
+            num_samples=len(dataset),
+            num_replicas=dist_info.world_size,
+            rank=dist_info.rank,
+            batch_size=config.train.per_device_batch_size,
+            seed=config.run.seed,
+            drop_last=config.data.drop_last,
+            lengths=lengths if config.data.group_by_length else None,
+        )
+        _, total_steps = plan_steps(config, sampler)
+    except ValueError as e:
+        raise ConfigError(f"train.per_device_batch_size: {e}") from e
 
     model = build_model(config.model).to(device)
     optimizer = build_optimizer(model, config.optim, device)
     sc = config.scheduler
-    schedule = build_schedule(
-        optimizer, sc.name, total_steps, sc.warmup_steps, sc.warmup_ratio, sc.kwargs
-    )
+    try:
+        schedule = build_schedule(
+            optimizer, sc.name, total_steps, sc.warmup_steps, sc.warmup_ratio, sc.kwargs
+        )
+    except ValueError as e:
+        raise ConfigError(f"scheduler.kwargs: {e}") from e
     engine = DDPEngine(
         model,
         optimizer,

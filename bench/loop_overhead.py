@@ -1,0 +1,196 @@
+"""Loop overhead: steps/s of `python -m launcher` against a hand-written PyTorch loop.
+
+Both sides train the same config (same samples in the same batches, the same TinyGPT init after
+the same seeding, AdamW over the same parameter groups, the same cosine LambdaLR, clipping) in a
+fresh subprocess of their own, with a loss sync every step (the launcher logs every step). A
+step's time is the wall time between consecutive syncs, summed over the steps after warm-up.
+Runs alternate ours, raw, ours, raw, ...; the figures are medians. One JSON line per figure.
+
+    .venv/bin/python bench/loop_overhead.py [--steps N] [--reps R] [--threads T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/tiny.yaml"
+
+
+def raw_loop(config_path: str, steps: int, out: Path) -> None:
+    """The loop as one writes it by hand; writes {"losses", "step_time_s"} to `out` as JSON."""
+    sys.path.insert(0, str(ROOT))
+    import random
+
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader
+
+    from core.config import load_config
+    from core.data import build_dataset, collate
+    from core.models.tiny_gpt import TinyGPT
+
+    cfg = load_config(config_path)
+    if (cfg.optim.name, cfg.scheduler.name, cfg.model.name) != (
+        "adamw_torch",
+        "cosine",
+        "tiny-gpt",
+    ):
+        raise SystemExit("the raw loop implements adamw_torch + cosine + tiny-gpt only")
+    seed, bs, m = cfg.run.seed, cfg.train.per_device_batch_size, cfg.model
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+    dataset = build_dataset(cfg.data)
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    # A generator of its own, so iter(loader) does not draw from the global RNG (dropout's).
+    loader = DataLoader(
+        dataset,
+        batch_size=bs,
+        sampler=order,
+        collate_fn=collate,
+        drop_last=True,
+        generator=torch.Generator(),
+    )
+    model = TinyGPT(m.n_layer, m.n_head, m.n_embd, m.block_size, m.dropout, m.bias)
+    params = list(model.parameters())
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+    )
+    sc = cfg.scheduler
+    warmup, cycles = sc.warmup_steps or math.ceil(steps * sc.warmup_ratio), 0.5
+
+    def lr_lambda(step: int) -> float:
+        if step < warmup:
+            return float(step) / float(max(1, warmup))
+        progress = float(step - warmup) / float(max(1, steps - warmup))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(cycles) * 2.0 * progress)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+
+    model.train()
+    losses, times = [], []
+    last = time.perf_counter()
+    for step, batch in enumerate(loader, start=1):
+        loss = model(**batch)["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+        if step == steps:
+            break
+    out.write_text(json.dumps({"losses": losses, "step_time_s": times}))
+
+
+def _env(threads: int | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_side(side: str, steps: int, threads: int | None) -> tuple[list[float], list[float]]:
+    """One fresh process of `side` ("ours" or "raw"): (loss per step, seconds per step)."""
+    with tempfile.TemporaryDirectory(prefix=f"loop_overhead_{side}_") as tmp:
+        if side == "ours":
+            cmd = [sys.executable, "-m", "launcher", "--config", CONFIG]
+            cmd += ["--train.max_steps", str(steps), "--train.logging_steps", "1"]
+            cmd += ["--train.progress_bar", "never", "--checkpoint.save_steps", "0"]
+            cmd += ["--run.output_dir", str(Path(tmp, "run"))]
+            out = Path(tmp, "run", "metrics.jsonl")
+        else:
+            out = Path(tmp, "raw.json")
+            cmd = [sys.executable, __file__, "--raw", "--steps", str(steps), "--out", str(out)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{side} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        if side == "raw":
+            data = json.loads(out.read_text())
+            return data["losses"], data["step_time_s"]
+        records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        if [r["step"] for r in records] != list(range(1, steps + 1)):
+            raise RuntimeError("ours: metrics.jsonl does not hold one record per step")
+        return [r["loss"] for r in records], [r["step_time_s"] for r in records]
+
+
+def steady_steps_per_s(step_times: list[float], warmup_frac: float) -> float:
+    """Steps per second over the steps after the first `warmup_frac` of them."""
+    kept = step_times[math.ceil(len(step_times) * warmup_frac) :]
+    return len(kept) / sum(kept)
+
+
+def emit(**figure: object) -> None:
+    print(json.dumps(figure), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps per run")
+    p.add_argument("--reps", type=int, default=5, help="runs of each side, interleaved")
+    p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps left out")
+    p.add_argument("--check", type=int, default=10, help="leading losses compared bit for bit")
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both sides")
+    p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.raw:
+        raw_loop(CONFIG, args.steps, args.out)
+        return 0
+
+    rates: dict[str, list[float]] = {"ours": [], "raw": []}
+    first: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    for rep in range(args.reps):
+        for side in ("ours", "raw"):
+            losses, step_times = run_side(side, args.steps, args.threads)
+            first.setdefault(side, losses)
+            rate = steady_steps_per_s(step_times, args.warmup)
+            rates[side].append(rate)
+            emit(name="loop_overhead_run", side=side, rep=rep, steps_per_s=round(rate, 3))
+    k = min(args.check, args.steps)
+    emit(
+        name="loop_overhead_same_math",
+        equal=first["ours"][:k] == first["raw"][:k],
+        compared=k,
+        all_steps_equal=first["ours"] == first["raw"],
+    )
+    ours, raw = statistics.median(rates["ours"]), statistics.median(rates["raw"])
+    paired = [a / b for a, b in zip(rates["ours"], rates["raw"], strict=True)]
+    emit(
+        name="loop_overhead",
+        ratio=round(statistics.median(paired), 4),
+        ratio_of_medians=round(ours / raw, 4),
+        ours_steps_per_s=round(ours, 3),
+        raw_steps_per_s=round(raw, 3),
+        reps=args.reps,
+        steps=args.steps,
+        threads=args.threads or os.environ.get("OMP_NUM_THREADS", "torch default"),
+        wall_s=round(time.perf_counter() - start, 1),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

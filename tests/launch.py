@@ -1,0 +1,102 @@
+"""Running the launcher as a subprocess (alone or under torchrun), with cleanup of every worker.
+
+torchrun starts each worker in its own session, so killing torchrun's process group leaves the
+workers running: cleanup walks torchrun's descendants and kills each one by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+
+
+def launcher_cmd(nproc: int | None, args: list[str]) -> list[str]:
+    """`python -m launcher ARGS`, or under `torchrun --standalone --nproc-per-node N`."""
+    if nproc is None:
+        return [sys.executable, "-m", "launcher", *args]
+    return [
+        str(BIN / "torchrun"),
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "launcher",
+        *args,
+    ]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO)
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and all its descendants (each by pid: they may be in other sessions)."""
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 240) -> Result:
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        raise
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    return Result(proc.returncode, out)
+
+
+def run_launcher(
+    tmp: Path, nproc: int | None, *overrides: str, config: str | None = None, timeout: float = 240
+) -> Result:
+    args = [
+        "--config",
+        config or str(REPO / "configs" / "tiny.yaml"),
+        "--run.output_dir",
+        str(tmp),
+        "--train.progress_bar",
+        "never",
+        *overrides,
+    ]
+    return run(launcher_cmd(nproc, args), cwd=tmp.parent, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
