@@ -224,6 +224,8 @@ class CheckpointConfig:
     """Keep at most this many committed checkpoints (oldest deleted first)."""
     resume_from: str = "latest"
     """latest (newest committed checkpoint in output_dir, if any), none, or a checkpoint path."""
+    allow_config_change: bool = False
+    """Resume even when fields that change the trajectory differ from the checkpoint's."""
 
     def __post_init__(self) -> None:
         _check(self.save_steps >= 0, "checkpoint.save_steps", "must be >= 0")

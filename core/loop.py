@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from checkpointing.comm import any_rank
 from core.callbacks import CallbackHandler, TrainerCallback, TrainerControl
+from core.checkpoint import RunCheckpointer
 from core.config import Config
 from core.engines.base import Engine
 from core.loader import make_dataloader
@@ -64,6 +66,9 @@ class Trainer:
         lengths: np.ndarray,
         dist_info: DistInfo,
         callbacks: list[TrainerCallback] | None = None,
+        state: TrainState | None = None,
+        checkpointer: RunCheckpointer | None = None,
+        stop_requested: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -72,23 +77,29 @@ class Trainer:
         self.collate_fn = collate_fn
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.dist = dist_info
-        self.state = TrainState()
+        self.state = state or TrainState()
         self.control = TrainerControl()
+        self.checkpointer = checkpointer
+        self.stop_requested = stop_requested
+        self.preempted = False
+        """True when training stopped on a stop request (a signal) and checkpointed."""
         self.callbacks = CallbackHandler(callbacks or [])
         self.steps_per_epoch, self.total_steps = plan_steps(config, sampler)
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self) -> TrainState:
         state, control = self.state, self.control
+        if self.checkpointer is not None:
+            self.checkpointer.prepare()  # resume (or not) before anything reads the state
         self.engine.train()
         self._fire("on_train_begin")
         self._last_log = (time.perf_counter(), state.global_step)
+        if self.sampler.epoch != state.epoch:
+            self.sampler.set_epoch(state.epoch)
         while state.global_step < self.total_steps and not control.should_training_stop:
-            if self.sampler.epoch != state.epoch:
-                self.sampler.set_epoch(state.epoch)
             self._train_epoch()
-            if self.sampler.position >= self.sampler.total_size:
-                state.epoch += 1
+        if self.checkpointer is not None and self.checkpointer.last_saved_step != state.global_step:
+            self._save()  # the final checkpoint
         self._fire("on_train_end")
         return state
 
@@ -113,8 +124,32 @@ class Trainer:
             step_sizes, sizes = sizes[:n], sizes[n:]
             self._train_step(batches, step_sizes, order)
             self._fire("on_step_end")
-            if self.control.should_training_stop:
+            if self._after_step():
                 break
+
+    def _after_step(self) -> bool:
+        """Agree across ranks on stop/save requests, checkpoint when due; True to stop."""
+        control, step = self.control, self.state.global_step
+        signalled = self.stop_requested is not None and self.stop_requested()
+        # One collective, so every rank stops and saves at the same step.
+        signalled, stop, save = any_rank(
+            [signalled, control.should_training_stop, control.should_save]
+        )
+        save_steps = self.config.checkpoint.save_steps
+        due = bool(save_steps) and step % save_steps == 0
+        if signalled:
+            logger.warning("stop requested: checkpointing at step %d", step)
+            self.preempted = True
+        control.should_training_stop = stop or signalled
+        if self.checkpointer is not None and (due or save or signalled):
+            self._save()
+        control.should_save = False
+        return control.should_training_stop
+
+    def _save(self) -> None:
+        assert self.checkpointer is not None
+        path = self.checkpointer.save()
+        self._fire("on_save", path=str(path))
 
     def _micro_batch_sizes(self) -> list[int]:
         """Per-rank sizes of the micro-batches left in the epoch, as the DataLoader yields them."""
@@ -126,6 +161,8 @@ class Trainer:
 
     def _train_step(self, batches: Iterator[Any], sizes: list[int], order: np.ndarray) -> None:
         state, engine = self.state, self.engine
+        if self.checkpointer is not None:
+            self.checkpointer.check_rng()  # first step after a resume: RNG must be untouched
         step = state.global_step + 1
         will_log = step % self.config.train.logging_steps == 0 or step == self.total_steps
         lr = engine.schedule.last_lr()
@@ -145,6 +182,11 @@ class Trainer:
         state.samples_seen += consumed
         self.sampler.advance(consumed)
         state.global_step = step
+        if self.sampler.position >= self.sampler.total_size:
+            # Move to the next epoch at once, so a checkpoint after an epoch's last step has
+            # one form (next epoch, position 0) wherever it is taken.
+            state.epoch += 1
+            self.sampler.set_epoch(state.epoch)
         if will_log:
             self._log(losses, grad_norm, lr)
 
@@ -163,7 +205,7 @@ class Trainer:
             "step": state.global_step,
             "loss": loss,
             "lr": lr,
-            "epoch": state.epoch + self.sampler.position / self.sampler.total_size,
+            "epoch": state.epoch + self.sampler.position / self.sampler.total_size,  # fraction
             "samples": state.samples_seen,
             "tokens": state.tokens_seen,
             "step_time_s": (now - t0) / max(1, state.global_step - s0),

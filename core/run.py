@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
+from checkpointing.comm import control_group
+from checkpointing.manager import CheckpointManager
 from core.callbacks import TrainerCallback
+from core.checkpoint import RunCheckpointer, trajectory
 from core.config import Config, ConfigError
-from core.data import build_dataset, collate, sample_lengths
+from core.data import build_dataset, collate, dataset_fingerprint, sample_lengths
 from core.engines.ddp import DDPEngine
 from core.loop import DistInfo, Trainer, plan_steps
 from core.metrics import JsonlMetrics, Progress
@@ -17,6 +21,7 @@ from core.optim import build_optimizer
 from core.sampler import ResumableDistributedSampler
 from core.schedules import build_schedule
 from core.seeding import enable_full_determinism, set_seed
+from core.state import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +31,7 @@ def build_trainer(
     dist_info: DistInfo,
     device: torch.device,
     callbacks: list[TrainerCallback] | None = None,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> Trainer:
     """Everything a run needs, built in a fixed order so that seeding decides all of it."""
     if config.run.full_determinism:
@@ -77,6 +83,23 @@ def build_trainer(
             dist_info.world_size,
             device,
         )
+    state = TrainState()
+    manager = CheckpointManager(
+        config.run.output_dir,
+        dist_info.rank,
+        dist_info.world_size,
+        save_total_limit=config.checkpoint.save_total_limit,
+        engine=config.engine.name,
+        group=control_group(),
+    )
+    checkpointer = RunCheckpointer(
+        config,
+        manager,
+        engine,
+        sampler,
+        state,
+        trajectory(config, dist_info.world_size, dataset_fingerprint(dataset), total_steps),
+    )
     reporters: list[TrainerCallback] = []
     if dist_info.is_main:
         reporters = [
@@ -92,4 +115,7 @@ def build_trainer(
         lengths,
         dist_info,
         callbacks=[*reporters, *(callbacks or [])],
+        state=state,
+        checkpointer=checkpointer,
+        stop_requested=stop_requested,
     )

@@ -127,6 +127,10 @@ class ResumableDistributedSampler(Sampler[int]):
             out[start : start + len(chunk)] = chunk[np.argsort(keys, kind="stable")]
         return out
 
+    def upcoming(self, count: int) -> list[int]:
+        """The global sample ids of the next `count` samples the ranks will consume together."""
+        return self.epoch_order()[self.position : self.position + count].tolist()
+
     def __iter__(self) -> Iterator[int]:
         if self.position % self.num_replicas:
             raise RuntimeError(f"position {self.position} is not a multiple of the world size")

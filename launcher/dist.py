@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from checkpointing.comm import reset_control_group
 from core.config import EngineConfig
 from core.loop import DistInfo
 
@@ -63,3 +64,4 @@ def destroy_distributed(clean: bool) -> None:
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+        reset_control_group()

@@ -6,5 +6,11 @@ FAILURE = 1
 """An unexpected error; the traceback is logged (and written to torchrun's error file)."""
 USAGE = 2
 """Bad config, command line or data: one line names the input; nothing was written."""
+CHECKPOINT = 3
+"""A checkpoint was refused: an explicit resume_from is corrupt or missing, the config differs
+in fields that change the trajectory, or the resume self-check found a difference."""
+PREEMPTED = 75
+"""Stopped by SIGTERM/SIGUSR1 after committing a checkpoint at the agreed step: relaunch the same
+command to continue (EX_TEMPFAIL)."""
 INTERRUPTED = 130
 """Stopped by Ctrl-C (SIGINT)."""

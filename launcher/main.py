@@ -9,11 +9,13 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from checkpointing.manifest import CheckpointError
 from core.config import Config, ConfigError, dump_config, load_config
 from core.data import DataError
 from launcher import exit_codes
 from launcher.dist import destroy_distributed, env_rank, init_distributed
 from launcher.logs import setup_logging
+from launcher.signals import StopFlag
 
 logger = logging.getLogger("launcher")
 
@@ -57,21 +59,33 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = init_distributed(config.engine)
     clean = False
+    stop = StopFlag().install()
     try:
-        trainer = build_trainer(config, ctx.info, ctx.device)
+        trainer = build_trainer(config, ctx.info, ctx.device, stop_requested=stop)
         if ctx.info.is_main:
             write_resolved_config(config)
         state = trainer.train()
+        clean = True
+        if trainer.preempted:
+            if ctx.info.is_main:
+                logger.warning(
+                    "preempted at step %d; checkpoint committed, relaunch to resume",
+                    state.global_step,
+                )
+            return exit_codes.PREEMPTED
         if ctx.info.is_main:
             logger.info("done: %d steps, %d samples", state.global_step, state.samples_seen)
-        clean = True
         return exit_codes.OK
     except USAGE_ERRORS as e:
         if ctx.info.is_main:
             logger.error("%s", e)
         return exit_codes.USAGE
+    except CheckpointError as e:
+        logger.error("%s", e)  # every rank: a self-check failure may be one rank's alone
+        return exit_codes.CHECKPOINT
     except KeyboardInterrupt:
         logger.warning("interrupted")
         return exit_codes.INTERRUPTED
     finally:
+        stop.uninstall()
         destroy_distributed(clean)

@@ -73,7 +73,7 @@ def test_public_cli_surface_is_pinned():
         ],
         "optim": ["name", "lr", "weight_decay", "beta1", "beta2", "eps", "momentum"],
         "scheduler": ["name", "warmup_steps", "warmup_ratio", "kwargs"],
-        "checkpoint": ["save_steps", "save_total_limit", "resume_from"],
+        "checkpoint": ["save_steps", "save_total_limit", "resume_from", "allow_config_change"],
         "engine": ["name", "backend", "device", "find_unused_parameters"],
     }
 

@@ -141,5 +141,14 @@ def test_logged_lr_follows_schedule(tmp_path, name):
 
 def test_fresh_run_starts_a_fresh_metrics_file(tmp_path):
     train(tmp_path, "--train.max_steps", "4")
-    _, _, metrics = train(tmp_path, "--train.max_steps", "2")
+    _, _, metrics = train(
+        tmp_path,
+        "--train.max_steps",
+        "2",
+        "--checkpoint.resume_from",
+        "none",
+        "--run.overwrite",
+        "true",
+    )
     assert [m["step"] for m in metrics] == [1, 2]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]

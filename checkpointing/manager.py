@@ -1,0 +1,233 @@
+"""The checkpoint manager: save and load a mapping of names to Stateful objects, atomically.
+
+Commit protocol (local filesystem): every rank writes its files into `.tmp-checkpoint-<step>`
+(fsynced as they are written); rank 0 gathers the digests, writes `manifest.json` last, fsyncs
+the directory, renames it to `checkpoint-<step>` and fsyncs the parent. A kill at any instant
+leaves the committed set as it was, or that set plus the new checkpoint: a temp directory never
+matches `checkpoint-<step>`, and a `checkpoint-<step>` without a valid manifest is not one.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from checkpointing.comm import barrier, broadcast_object, gather_objects
+from checkpointing.manifest import (
+    MANIFEST,
+    CheckpointCorruptError,
+    CheckpointError,
+    Manifest,
+    list_checkpoints,
+    verify,
+)
+from checkpointing.serialize import (
+    FileDigest,
+    StateFormatError,
+    fsync_dir,
+    load_state,
+    save_state,
+    write_json,
+)
+from checkpointing.stateful import Stateful
+
+logger = logging.getLogger(__name__)
+
+TMP_PREFIX = ".tmp-checkpoint-"
+TRASH_PREFIX = ".trash-"
+
+
+@dataclass
+class Entry:
+    """One piece of state: global entries are written once (rank 0), per-rank ones by every
+    rank as `<name>/rank-<r>`."""
+
+    obj: Stateful
+    per_rank: bool = False
+
+
+def _rank_name(name: str, rank: int) -> str:
+    return f"{name}/rank-{rank:05d}"
+
+
+class CheckpointManager:
+    """Owns `<root>/checkpoint-<step>` directories: save, find, verify, load, retain."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        rank: int = 0,
+        world_size: int = 1,
+        save_total_limit: int | None = None,
+        engine: str = "ddp",
+        group: Any = None,
+    ) -> None:
+        self.root = Path(root)
+        self.rank = rank
+        self.world_size = world_size
+        self.save_total_limit = save_total_limit
+        self.engine = engine
+        self.group = group  # a CPU (gloo) group for control messages; None: the default one
+
+    # -- save ----------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        entries: dict[str, Entry],
+        trajectory: dict[str, Any],
+        config_fingerprint: str,
+        checks: dict[str, Any],
+        rank_checks: dict[str, Any],
+    ) -> Path:
+        """Write and commit `checkpoint-<step>` on every rank (a collective); return its path.
+
+        `checks` are global values recorded in the manifest; `rank_checks` are gathered from
+        every rank into `checks[key] = [value of rank 0, value of rank 1, ...]`.
+        """
+        t0 = time.perf_counter()
+        final = self.root / f"checkpoint-{step}"
+        tmp = self.root / f"{TMP_PREFIX}{step}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a save that was killed
+            tmp.mkdir()
+        barrier(self.group)
+
+        digests: dict[str, FileDigest] = {}
+        for name, entry in entries.items():
+            if entry.per_rank:
+                digests.update(save_state(tmp, _rank_name(name, self.rank), entry.obj.state_dict()))
+            elif self.rank == 0:
+                digests.update(save_state(tmp, name, entry.obj.state_dict()))
+        gathered = gather_objects((digests, rank_checks), self.group)
+
+        if self.rank == 0:
+            files: dict[str, dict[str, Any]] = {}
+            all_checks = dict(checks)
+            for rank_digests, rchecks in gathered:
+                for rel, d in rank_digests.items():
+                    files[rel] = {"size": d.size, "sha256": d.sha256}
+                for key, value in rchecks.items():
+                    all_checks.setdefault(key, []).append(value)
+            manifest = Manifest(
+                step=step,
+                world_size=self.world_size,
+                engine=self.engine,
+                config_fingerprint=config_fingerprint,
+                trajectory=trajectory,
+                files=dict(sorted(files.items())),
+                entries={n: "per_rank" if e.per_rank else "global" for n, e in entries.items()},
+                checks=all_checks,
+                created=time.time(),
+            )
+            for sub in {p.parent for p in (tmp / rel for rel in files)}:
+                fsync_dir(sub)
+            write_json(tmp / MANIFEST, asdict(manifest))  # the commit marker, written last
+            fsync_dir(tmp)
+            self._commit(tmp, final)
+            self._retain(keep=final)
+            logger.info(
+                "saved %s in %.2f s, %.1f MB",
+                final.name,
+                time.perf_counter() - t0,
+                manifest.total_bytes / 1e6,
+            )
+        barrier(self.group)
+        return final
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        if final.exists():
+            # Only an uncommitted or corrupt directory can stand here (a valid one for this
+            # step is never re-saved): move it aside first, since rename cannot replace a
+            # non-empty directory.
+            final.rename(self.root / f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
+        tmp.rename(final)
+        fsync_dir(self.root)
+        self._empty_trash()
+
+    def _retain(self, keep: Path) -> None:
+        if not self.save_total_limit:
+            return
+        committed = [p for _, p in list_checkpoints(self.root) if (p / MANIFEST).is_file()]
+        for old in committed[self.save_total_limit :]:
+            if old != keep:
+                logger.info("deleting %s (save_total_limit %d)", old.name, self.save_total_limit)
+                self._delete(old)
+
+    def _delete(self, path: Path) -> None:
+        # Rename first so that a half-deleted directory never looks like a checkpoint.
+        trash = self.root / f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
+        path.rename(trash)
+        fsync_dir(self.root)
+        shutil.rmtree(trash)
+
+    def _empty_trash(self) -> None:
+        for p in self.root.glob(f"{TRASH_PREFIX}*"):
+            shutil.rmtree(p, ignore_errors=False)
+
+    # -- find and load ------------------------------------------------------------------------
+    def clean_leftovers(self) -> None:
+        """Remove temp and trash directories of interrupted saves (rank 0, before any save)."""
+        if self.rank == 0 and self.root.is_dir():
+            for p in [*self.root.glob(f"{TMP_PREFIX}*"), *self.root.glob(f"{TRASH_PREFIX}*")]:
+                logger.info("removing %s left by an interrupted save", p.name)
+                shutil.rmtree(p)
+
+    def committed(self) -> list[tuple[int, Path]]:
+        """Checkpoints whose manifest exists (not verified), newest first."""
+        return [(s, p) for s, p in list_checkpoints(self.root) if (p / MANIFEST).is_file()]
+
+    def resolve(self, resume_from: str) -> tuple[Path, Manifest] | None:
+        """The verified checkpoint to resume (rank 0 decides, every rank gets the answer).
+
+        `latest`: the newest checkpoint that verifies (corrupt newer ones are reported, one line
+        each); None when there is none. `none`: None. A path: that checkpoint, or an error.
+        """
+        answer: Any = None
+        if self.rank == 0:
+            try:
+                answer = self._resolve_local(resume_from)
+            except CheckpointError as e:
+                answer = e
+        answer = broadcast_object(answer, self.group)
+        if isinstance(answer, CheckpointError):
+            raise answer
+        return answer
+
+    def _resolve_local(self, resume_from: str) -> tuple[Path, Manifest] | None:
+        if resume_from == "none":
+            return None
+        if resume_from != "latest":
+            path = Path(resume_from)
+            if not path.is_dir():
+                raise CheckpointError(f"checkpoint.resume_from: no checkpoint at {path}")
+            return path, verify(path)
+        for _, path in list_checkpoints(self.root):
+            try:
+                return path, verify(path)
+            except CheckpointCorruptError as e:
+                logger.warning("skipping %s: %s", path.name, e)
+        return None
+
+    def load(self, path: Path, manifest: Manifest, entries: dict[str, Entry]) -> None:
+        """Restore every entry from a verified checkpoint, in the mapping's order."""
+        missing = sorted(set(entries) - set(manifest.entries))
+        if missing:
+            raise CheckpointError(f"{path}: holds no state for {', '.join(missing)}")
+        if any(e.per_rank for e in entries.values()) and manifest.world_size != self.world_size:
+            raise CheckpointError(
+                f"{path}: saved by {manifest.world_size} ranks, this run has {self.world_size}"
+            )
+        for name, entry in entries.items():
+            file_name = _rank_name(name, self.rank) if entry.per_rank else name
+            try:
+                state = load_state(path, file_name)
+            except StateFormatError as e:
+                raise CheckpointCorruptError(f"refusing to load: {e}") from e
+            entry.obj.load_state_dict(state)

@@ -1,0 +1,330 @@
+"""State dicts to files and back, bit-exactly, without pickle.
+
+A state (nested dicts/lists/tuples of tensors, ints, floats incl. inf/nan, bools, None, str) is
+split by `encode` into a JSON structure plus a flat dict of tensors; `save_state` writes them as
+`<name>.json` and `<name>.safetensors`. Neither format can run code when read, so a planted file
+fails with `StateFormatError` instead of executing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import sys
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+
+TENSOR, TUPLE, DICT = "__tensor__", "__tuple__", "__dict__"
+_MARKERS = (TENSOR, TUPLE, DICT)
+_SCALARS = (bool, int, float, str, type(None))
+# Reserved by the safetensors header for free-form metadata; never a tensor name.
+_ST_METADATA = "__metadata__"
+# Big enough that syscall and thread hand-off costs vanish, small enough to interleave hashing.
+_CHUNK = 16 << 20
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+
+
+class StateFormatError(ValueError):
+    """A file that should hold saved state is not valid JSON/safetensors, or does not decode."""
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """Size in bytes and hex sha256 of a file exactly as written."""
+
+    size: int
+    sha256: str
+
+
+# ---------------------------------------------------------------------------- encode / decode
+
+
+def _to_cpu(t: torch.Tensor) -> torch.Tensor:
+    """Plain, contiguous CPU tensor with the same values; no copy when `t` already is one."""
+    if t.layout != torch.strided or t.is_meta:
+        raise TypeError(f"cannot save a {t.layout} tensor on {t.device}: only dense data")
+    return t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        # Identical views (tied weights) map to one key; byte extents per storage detect overlaps.
+        self._views: dict[tuple, str] = {}
+        self._extents: dict[tuple, list[tuple[int, int]]] = {}
+
+    def _key(self, path: list[str]) -> str:
+        base = ".".join(path) or "tensor"
+        key, n = base, 0
+        while key in self.tensors or key == _ST_METADATA:  # paths can collide: {"a.b"} vs a->b
+            n += 1
+            key = f"{base}~{n}"
+        return key
+
+    def _tensor(self, t: torch.Tensor, path: list[str]) -> dict[str, str]:
+        storage = (t.device, t.untyped_storage().data_ptr())
+        view = (*storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if t.numel() and view in self._views:  # empty tensors may all sit at address 0
+            return {TENSOR: self._views[view]}
+        out = _to_cpu(t)
+        if t.numel() > 0 and out.data_ptr() == t.data_ptr():  # still a view, not a fresh copy
+            start = t.storage_offset() * t.element_size()
+            span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+            end = start + span * t.element_size()
+            extents = self._extents.setdefault(storage, [])
+            if any(s < end and start < e for s, e in extents):
+                # safetensors refuses overlapping entries, and a load would not re-alias them.
+                out = out.clone()
+            else:
+                extents.append((start, end))
+        key = self._key(path)
+        self.tensors[key] = out
+        self._views[view] = key
+        return {TENSOR: key}
+
+    def __call__(self, obj: Any, path: list[str]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj, path)
+        if isinstance(obj, _SCALARS):
+            return obj
+        if isinstance(obj, tuple):
+            return {TUPLE: [self(v, [*path, str(i)]) for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [self(v, [*path, str(i)]) for i, v in enumerate(obj)]
+        if isinstance(obj, Mapping):
+            if all(isinstance(k, str) and k not in _MARKERS for k in obj):
+                return {k: self(v, [*path, k]) for k, v in obj.items()}
+            # Non-str keys (optimizer param ids) or keys that look like our markers: pair list.
+            pairs = []
+            for i, (k, v) in enumerate(obj.items()):
+                if isinstance(k, torch.Tensor):
+                    raise TypeError(f"cannot save a tensor used as a dict key at {'.'.join(path)}")
+                label = str(k) if isinstance(k, _SCALARS) else str(i)
+                pairs.append([self(k, [*path, "key"]), self(v, [*path, label])])
+            return {DICT: pairs}
+        where = ".".join(path) or "<root>"
+        raise TypeError(
+            f"cannot save {type(obj).__name__} at {where}: accepted are tensors, dict, list, "
+            "tuple, int, float, bool, None, str"
+        )
+
+
+def encode(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split `state` into a JSON-serialisable structure and a dict of CPU contiguous tensors.
+
+    Each tensor becomes `{"__tensor__": key}`, key its dotted path ("state.0.exp_avg"), made
+    unique with a "~n" suffix. Tuples become `{"__tuple__": [...]}`; dicts with non-str keys or a
+    marker key become `{"__dict__": [[k, v], ...]}`. Identical views of one storage (tied weights)
+    share one key; other overlapping views are cloned, so the tensors share no memory that
+    safetensors would refuse. Mapping subclasses decode as plain dicts; other types raise TypeError.
+    CPU contiguous tensors come back as views, not copies: write them before the state changes.
+    """
+    enc = _Encoder()
+    return enc(state, []), enc.tensors
+
+
+def decode(structure: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of `encode`: `decode(*encode(x))` equals `x`, tied tensors are one object again.
+
+    Raises StateFormatError for a malformed marker or a missing tensor key.
+    """
+    if isinstance(structure, list):
+        return [decode(v, tensors) for v in structure]
+    if not isinstance(structure, dict):
+        return structure
+    if len(structure) == 1:
+        ((marker, value),) = structure.items()
+        try:
+            if marker == TENSOR:
+                return tensors[value]
+            if marker == TUPLE:
+                return tuple(decode(v, tensors) for v in value)
+            if marker == DICT:
+                return {decode(k, tensors): decode(v, tensors) for k, v in value}
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, StateFormatError):
+                raise
+            raise StateFormatError(f"malformed {marker} entry {value!r:.80}: {e!r}") from e
+    return {k: decode(v, tensors) for k, v in structure.items()}
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def _write_all(f: Any, data: memoryview | bytes) -> None:
+    view = memoryview(data)
+    while view:  # a raw write may be partial
+        view = view[f.write(view) :]
+
+
+def _chunks(t: torch.Tensor) -> tuple[Iterator[memoryview], bool]:
+    """Raw bytes of `t` as chunk views into its memory, and whether a CPU copy had to be made."""
+    cpu = _to_cpu(t)
+    # bfloat16/float8 have no numpy dtype: look at the same memory as bytes instead.
+    raw = memoryview(cpu.reshape(-1).view(torch.uint8).numpy())
+    return (raw[i : i + _CHUNK] for i in range(0, len(raw), _CHUNK)), cpu.data_ptr() != t.data_ptr()
+
+
+def write_safetensors(
+    path: str | os.PathLike,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> FileDigest:
+    """Stream `tensors` into a safetensors file at `path`, then fsync it.
+
+    Bytes go straight from each tensor's memory to the file (a tensor is copied only when it is
+    not CPU contiguous, one at a time), so peak memory stays near the largest such tensor rather
+    than the file size. The sha256 is computed from the same buffers on a worker thread while the
+    main thread writes and fsyncs: the file is never read back. Readable by `safetensors.torch`.
+    """
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors is little-endian; big-endian hosts are not supported")
+    for name, t in tensors.items():
+        if not isinstance(name, str) or name == _ST_METADATA or not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor entry {name!r}: expected a str name and a torch.Tensor")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"tensor {name!r}: dtype {t.dtype} not in {sorted(_DTYPES.values())}")
+    # Widest elements first: every tensor then starts aligned to its element size.
+    order = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
+    header: dict[str, Any] = {}
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise TypeError("safetensors metadata must map str to str")
+        header[_ST_METADATA] = dict(metadata)
+    offset = 0
+    for name, t in order:
+        nbytes = t.numel() * t.element_size()
+        entry = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape)}
+        header[name] = {**entry, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    head += b" " * (-len(head) % 8)  # the spec pads the header so data starts 8-aligned
+    prefix = struct.pack("<Q", len(head)) + head
+
+    sha = hashlib.sha256(prefix)
+    # One worker runs updates in submission order; hashlib and raw writes release the GIL.
+    with open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1, "sha256") as hasher:
+        _write_all(f, prefix)
+        pending: list[Future] = []
+        for _, t in order:
+            chunks, copied = _chunks(t)
+            for chunk in chunks:
+                pending.append(hasher.submit(sha.update, chunk))
+                _write_all(f, chunk)
+            if copied and pending:
+                pending[-1].result()  # let the copy go before making the next one
+        os.fsync(f.fileno())  # the hasher catches up meanwhile
+        for fut in pending:
+            fut.result()
+    return FileDigest(len(prefix) + offset, sha.hexdigest())
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> FileDigest:
+    """Write `obj` as UTF-8 JSON (inf/nan as Infinity/NaN), fsync, return its digest."""
+    # ensure_ascii keeps any str (even lone surrogates) encodable and exactly round-tripped.
+    data = json.dumps(obj, allow_nan=True, indent=1).encode("utf-8")
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return FileDigest(len(data), hashlib.sha256(data).hexdigest())
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Parse a JSON file; anything that is not valid UTF-8 JSON raises StateFormatError."""
+    data = Path(path).read_bytes()
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise StateFormatError(f"{os.fspath(path)}: not valid UTF-8 JSON ({e})") from e
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return safetensors.torch.load_file(path, device="cpu")
+    # KeyError/ValueError: a header the Rust side accepts but the torch mapping does not.
+    except (SafetensorError, KeyError, ValueError) as e:
+        raise StateFormatError(f"{path}: not a valid safetensors file ({e})") from e
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so the entries created in it (files, sub-directories) are durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _relative(name: str) -> str:
+    parts = name.split("/")
+    if len(parts) > 2 or any(p in ("", ".", "..") or "\\" in p for p in parts):
+        raise ValueError(f"state name {name!r}: expected 'NAME' or 'DIR/NAME' (one '/' at most)")
+    return name
+
+
+def save_state(directory: str | os.PathLike, name: str, state: Any) -> dict[str, FileDigest]:
+    """Write `state` as `<name>.json` plus, when it holds tensors, `<name>.safetensors`.
+
+    `name` may be "DIR/NAME" (e.g. "rng/rank-00001"); DIR is created. Files and their directory
+    are fsynced. Returns {file name relative to `directory`: digest}.
+    """
+    rel = _relative(name)
+    structure, tensors = encode(state)
+    root = Path(directory)
+    folder = (root / rel).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    digests: dict[str, FileDigest] = {}
+    if tensors:
+        digests[f"{rel}.safetensors"] = write_safetensors(
+            root / f"{rel}.safetensors", tensors, {"format": "pt"}
+        )
+    digests[f"{rel}.json"] = write_json(root / f"{rel}.json", structure)
+    fsync_dir(folder)
+    if folder != root:
+        fsync_dir(root)  # the new sub-directory's own entry
+    return digests
+
+
+def load_state(directory: str | os.PathLike, name: str) -> Any:
+    """Read what `save_state(directory, name, ...)` wrote, tensors on CPU. Never unpickles.
+
+    Raises StateFormatError (one line naming the file) for a file that is not valid JSON or
+    safetensors, or a structure that references a tensor the safetensors file lacks.
+    """
+    rel = _relative(name)
+    root = Path(directory)
+    json_path, st_path = root / f"{rel}.json", root / f"{rel}.safetensors"
+    structure = read_json(json_path)
+    tensors = _read_safetensors(st_path) if st_path.exists() else {}
+    try:
+        return decode(structure, tensors)
+    except StateFormatError as e:
+        raise StateFormatError(f"{json_path} (with {st_path.name}): {e}") from e

@@ -1,0 +1,191 @@
+"""What a training run checkpoints, and the checks that make a wrong resume impossible to miss.
+
+The checkpointing package saves whatever mapping it is handed; this module decides the mapping
+(model, optimizer, scheduler, sampler, train_state, per-rank rng), the config fields that fix
+the trajectory, and the self-check recorded at save and recomputed after a load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from checkpointing.manager import CheckpointManager, Entry
+from checkpointing.manifest import CheckpointError
+from checkpointing.rng import RNGState, rng_fingerprint
+from core.config import Config
+from core.engines.base import Engine
+from core.sampler import ResumableDistributedSampler
+from core.state import TrainState
+
+logger = logging.getLogger(__name__)
+
+# Config fields that do not change the trajectory; every other field does.
+NEUTRAL_FIELDS = {
+    "run.output_dir",
+    "run.overwrite",
+    "run.log_level",
+    "data.num_workers",
+    "train.logging_steps",
+    "train.progress_bar",
+    "engine.backend",
+    "engine.find_unused_parameters",
+}
+NEUTRAL_SECTIONS = {"checkpoint"}
+
+
+class ResumeMismatchError(CheckpointError):
+    """The run after loading differs from the run that saved (a wrong resume was caught)."""
+
+
+def trajectory(config: Config, world_size: int, dataset_fp: str, total_steps: int) -> dict:
+    """The values that decide the trajectory, flat as {"section.key": value}."""
+    flat = {
+        f"{section}.{key}": value
+        for section, fields in config.to_dict().items()
+        if section not in NEUTRAL_SECTIONS
+        for key, value in fields.items()
+        if f"{section}.{key}" not in NEUTRAL_FIELDS
+    }
+    flat.update({"world_size": world_size, "dataset": dataset_fp, "total_steps": total_steps})
+    return flat
+
+
+def fingerprint(values: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class RunCheckpointer:
+    """Saves and restores one run through a CheckpointManager, with the resume self-check."""
+
+    def __init__(
+        self,
+        config: Config,
+        manager: CheckpointManager,
+        engine: Engine,
+        sampler: ResumableDistributedSampler,
+        state: TrainState,
+        trajectory: dict[str, Any],
+    ) -> None:
+        self.config = config
+        self.manager = manager
+        self.engine = engine
+        self.sampler = sampler
+        self.state = state
+        self.trajectory = trajectory
+        self.rng = RNGState()
+        self.last_saved_step: int | None = None
+        self._pending_rng_check: str | None = None
+
+    def entries(self) -> dict[str, Entry]:
+        # Order is restore order: the RNG comes last so nothing consumes it after the restore.
+        self.rng.extra = {
+            "worker_seed_inputs": {
+                "seed": self.config.run.seed,
+                "epoch": self.sampler.epoch,
+                "rank": self.manager.rank,
+            }
+        }
+        return {
+            **{name: Entry(obj) for name, obj in self.engine.stateful().items()},
+            "sampler": Entry(self.sampler),
+            "train_state": Entry(self.state),
+            "rng": Entry(self.rng, per_rank=True),
+        }
+
+    def _checks(self) -> dict[str, Any]:
+        global_batch = self.sampler.batch_size * self.sampler.num_replicas
+        return {
+            "lr": self.engine.schedule.last_lr(),
+            "next_sample_ids": self.sampler.upcoming(global_batch),
+        }
+
+    # -- save ----------------------------------------------------------------------------------
+    def save(self) -> Path:
+        entries = self.entries()
+        rng_fp = rng_fingerprint(self.rng.state_dict())
+        path = self.manager.save(
+            self.state.global_step,
+            entries,
+            self.trajectory,
+            fingerprint(self.trajectory),
+            checks=self._checks(),
+            rank_checks={"rng": rng_fp},
+        )
+        self.last_saved_step = self.state.global_step
+        return path
+
+    # -- resume --------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Before the first step: honour resume_from (or overwrite), clean interrupted saves."""
+        cc = self.config.checkpoint
+        self.manager.clean_leftovers()
+        if cc.resume_from == "none" and self.manager.committed():
+            if not self.config.run.overwrite:
+                raise CheckpointError(
+                    f"checkpoint.resume_from: none, but {self.manager.root} holds checkpoints; "
+                    "set run.overwrite true to start afresh there, or resume_from latest"
+                )
+            if self.manager.rank == 0:
+                for _, path in self.manager.committed():
+                    logger.info("run.overwrite: deleting %s", path.name)
+                    shutil.rmtree(path)
+        found = self.manager.resolve(cc.resume_from)
+        if found is None:
+            return
+        path, manifest = found
+        self._check_trajectory(path, manifest.trajectory)
+        self.manager.load(path, manifest, self.entries())
+        self._compare(path, "learning rate", manifest.checks["lr"], self._checks()["lr"])
+        self._compare(
+            path,
+            "next batch sample ids",
+            manifest.checks["next_sample_ids"],
+            self._checks()["next_sample_ids"],
+        )
+        self._pending_rng_check = manifest.checks["rng"][self.manager.rank]
+        self.last_saved_step = manifest.step
+        logger.info(
+            "resumed from %s at step %d (epoch %d, position %d)",
+            path,
+            self.state.global_step,
+            self.sampler.epoch,
+            self.sampler.position,
+        )
+
+    def check_rng(self) -> None:
+        """Called right before the first resumed step: the RNG streams must be untouched."""
+        if self._pending_rng_check is None:
+            return
+        expected, self._pending_rng_check = self._pending_rng_check, None
+        actual = rng_fingerprint(self.rng.state_dict())
+        if actual != expected:
+            raise ResumeMismatchError(
+                f"rank {self.manager.rank}: RNG state {actual} differs from the checkpoint's "
+                f"{expected} (something consumed random numbers between restore and first step)"
+            )
+
+    def _check_trajectory(self, path: Path, saved: dict[str, Any]) -> None:
+        keys = sorted(set(saved) | set(self.trajectory))
+        differ = [k for k in keys if saved.get(k) != self.trajectory.get(k)]
+        if not differ:
+            return
+        detail = ", ".join(f"{k} ({saved.get(k)!r} -> {self.trajectory.get(k)!r})" for k in differ)
+        if self.config.checkpoint.allow_config_change:
+            logger.warning("resuming %s with changed fields (allowed): %s", path.name, detail)
+            return
+        raise CheckpointError(
+            f"{path}: the config differs in fields that change the trajectory: {detail}; "
+            "set checkpoint.allow_config_change true to resume anyway"
+        )
+
+    def _compare(self, path: Path, what: str, saved: Any, now: Any) -> None:
+        if saved != now:
+            raise ResumeMismatchError(
+                f"{path}: after loading, the {what} is {now!r} but the checkpoint recorded "
+                f"{saved!r}; refusing to continue a wrong resume"
+            )

@@ -1,0 +1,66 @@
+"""Helpers to compare checkpoints and runs bit for bit."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from checkpointing.serialize import load_state
+from tests.launch import read_metrics
+
+# States that must be byte-identical between an interrupted run and an uninterrupted one.
+# (train_state holds wall-clock step times, so it is compared field by field instead.)
+EXACT_FILES = (
+    "model.safetensors",
+    "optimizer.safetensors",
+    "optimizer.json",
+    "scheduler.json",
+    "sampler.json",
+)
+
+
+def assert_tensors_equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
+        assert torch.equal(a, b), f"tensors differ at {where}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_tensors_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_tensors_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    """Model and optimizer equal with torch.equal; every other state identical."""
+    for name in ("model", "optimizer"):
+        assert_tensors_equal(load_state(a, name), load_state(b, name), name)
+    for rel in EXACT_FILES:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+    for rng in sorted((a / "rng").iterdir()):
+        assert rng.read_bytes() == (b / "rng" / rng.name).read_bytes(), rng.name
+    sa, sb = load_state(a, "train_state"), load_state(b, "train_state")
+    for key in ("global_step", "epoch", "samples_seen", "tokens_seen"):
+        assert sa[key] == sb[key], key
+    assert [h["loss"] for h in sa["log_history"]] == [h["loss"] for h in sb["log_history"]]
+
+
+def assert_same_losses(a: Path, b: Path) -> None:
+    ma, mb = read_metrics(a), read_metrics(b)
+    assert [(m["step"], m["loss"], m["lr"]) for m in ma] == [
+        (m["step"], m["loss"], m["lr"]) for m in mb
+    ]
+
+
+def seed_resume_dir(src: Path, dst: Path, step: int) -> None:
+    """A run dir holding only `checkpoint-<step>` of src, and src's whole metrics.jsonl (so the
+    resumed run must truncate it)."""
+    dst.mkdir(parents=True)
+    shutil.copytree(src / f"checkpoint-{step}", dst / f"checkpoint-{step}")
+    shutil.copy(src / "metrics.jsonl", dst / "metrics.jsonl")
