@@ -1,0 +1,225 @@
+"""Corruption, planted pickles, config mismatches, self-checks, retention: one process, fast."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpointing.manifest import CheckpointCorruptError, CheckpointError, verify
+from core.callbacks import TrainerCallback
+from core.checkpoint import ResumeMismatchError
+from core.config import load_config
+from core.loop import DistInfo
+from core.run import build_trainer
+
+SMALL = [
+    "--data.max_bytes",
+    "20000",
+    "--data.seq_len",
+    "32",
+    "--train.per_device_batch_size",
+    "8",
+    "--train.logging_steps",
+    "1",
+    "--train.progress_bar",
+    "never",
+    "--train.max_steps",
+    "8",
+    "--checkpoint.save_steps",
+    "4",
+]
+
+
+def trainer_for(run_dir: Path, *overrides: str, callbacks=None):
+    config = load_config(None, [*SMALL, "--run.output_dir", str(run_dir), *overrides])
+    return build_trainer(config, DistInfo(), torch.device("cpu"), callbacks=callbacks)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run dir with committed checkpoint-4 and checkpoint-8."""
+    run_dir = tmp_path_factory.mktemp("trained")
+    trainer_for(run_dir).train()
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+    return run_dir
+
+
+@pytest.fixture
+def run_dir(trained, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+def resume_step(run_dir: Path, *overrides: str) -> int:
+    trainer = trainer_for(run_dir, *overrides)
+    trainer.checkpointer.prepare()
+    return trainer.state.global_step
+
+
+def rehash(checkpoint: Path, rel: str) -> None:
+    """Make the manifest agree with a replaced file (an attacker who can write the dir)."""
+    manifest_path = checkpoint / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    data = (checkpoint / rel).read_bytes()
+    manifest["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def flip_byte(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "truncated": ("model.safetensors", truncate),
+    "flipped-byte": ("optimizer.safetensors", flip_byte),
+    "missing-file": ("rng/rank-00000.json", Path.unlink),
+    "bad-manifest-json": ("manifest.json", lambda p: p.write_text("{not json")),
+    "no-manifest": ("manifest.json", Path.unlink),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_corrupt_newest_falls_back_to_older(run_dir, kind, caplog):
+    rel, damage = CORRUPTIONS[kind]
+    damage(run_dir / "checkpoint-8" / rel)
+    with caplog.at_level(logging.WARNING, logger="checkpointing.manager"):
+        assert resume_step(run_dir) == 4
+    lines = [r.getMessage() for r in caplog.records if "skipping checkpoint-8" in r.getMessage()]
+    assert len(lines) == 1 and rel.split("/")[-1] in lines[0], caplog.text
+
+
+def test_corrupt_explicit_path_is_an_error(run_dir):
+    flip_byte(run_dir / "checkpoint-8" / "model.safetensors")
+    with pytest.raises(CheckpointCorruptError, match=r"model\.safetensors: sha256 differs"):
+        resume_step(run_dir, "--checkpoint.resume_from", str(run_dir / "checkpoint-8"))
+
+
+def test_explicit_path_resumes_that_checkpoint(run_dir):
+    assert resume_step(run_dir, "--checkpoint.resume_from", str(run_dir / "checkpoint-4")) == 4
+
+
+class PlantedPayload:
+    """Unpickling this would create a marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("rel", ["optimizer.safetensors", "model.safetensors", "train_state.json"])
+def test_planted_pickle_is_refused_and_never_runs(run_dir, tmp_path, rel):
+    marker = tmp_path / "pwned"
+    ckpt = run_dir / "checkpoint-8"
+    (ckpt / rel).write_bytes(pickle.dumps(PlantedPayload(marker)))
+    rehash(ckpt, rel)
+    verify(ckpt)  # the checksums agree: only the format protects us now
+    with pytest.raises(CheckpointCorruptError, match=f"refusing to load: .*{rel}"):
+        resume_step(run_dir)
+    assert not marker.exists()
+
+
+def test_no_pickle_loader_in_checkpointing():
+    root = Path(__file__).resolve().parent.parent / "checkpointing"
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        for needle in ("torch.load(", "pickle.load", "import pickle"):
+            assert needle not in text, f"{path.name} uses {needle}"
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        (("--run.seed", "1"), "run.seed"),
+        (("--train.per_device_batch_size", "4"), "train.per_device_batch_size"),
+        (("--model.n_layer", "3"), "model.n_layer"),
+        (("--data.max_bytes", "30000"), "dataset"),
+    ],
+)
+def test_trajectory_change_is_refused_naming_fields(run_dir, override, field):
+    with pytest.raises(CheckpointError, match=f"differs in fields .*{field}") as err:
+        resume_step(run_dir, *override)
+    assert "allow_config_change" in str(err.value)
+
+
+def test_trajectory_change_allowed_explicitly(run_dir):
+    # logging_steps never matters; lr does, and is allowed here on purpose
+    assert resume_step(run_dir, "--train.logging_steps", "3") == 8
+    assert (
+        resume_step(run_dir, "--optim.lr", "0.01", "--checkpoint.allow_config_change", "true") == 8
+    )
+
+
+def test_fresh_start_refused_where_checkpoints_exist(run_dir):
+    with pytest.raises(CheckpointError, match="run.overwrite"):
+        resume_step(run_dir, "--checkpoint.resume_from", "none")
+    assert resume_step(run_dir, "--checkpoint.resume_from", "none", "--run.overwrite", "true") == 0
+    assert not list(run_dir.glob("checkpoint-*"))
+
+
+def test_self_check_catches_rng_consumed_after_restore(run_dir):
+    class ConsumesRng(TrainerCallback):
+        def on_train_begin(self, config, state, control):
+            torch.rand(1)
+
+    trainer = trainer_for(
+        run_dir,
+        "--train.max_steps",
+        "12",
+        "--checkpoint.allow_config_change",
+        "true",
+        callbacks=[ConsumesRng()],
+    )
+    with pytest.raises(ResumeMismatchError, match="RNG state .* differs"):
+        trainer.train()
+
+
+def test_self_check_catches_a_wrong_learning_rate(run_dir):
+    ckpt = run_dir / "checkpoint-8"
+    structure = json.loads((ckpt / "optimizer.json").read_text())
+    groups = structure["param_groups"]
+    for g in groups:
+        g["lr"] = g["lr"] * 2
+    (ckpt / "optimizer.json").write_text(json.dumps(structure))
+    rehash(ckpt, "optimizer.json")
+    with pytest.raises(ResumeMismatchError, match="learning rate"):
+        resume_step(run_dir)
+
+
+def test_leftovers_are_never_taken_for_checkpoints(run_dir):
+    tmp = run_dir / ".tmp-checkpoint-12"
+    shutil.copytree(run_dir / "checkpoint-8", tmp)  # even a complete-looking one
+    (run_dir / "checkpoint-99").mkdir()  # a directory with no manifest
+    assert resume_step(run_dir) == 8
+    assert not tmp.exists()
+
+
+def test_save_total_limit_keeps_newest(tmp_path):
+    trainer_for(
+        tmp_path, "--checkpoint.save_steps", "2", "--checkpoint.save_total_limit", "2"
+    ).train()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("checkpoint", "."))) == [
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
+
+
+def test_final_checkpoint_always_written(tmp_path):
+    trainer_for(tmp_path, "--train.max_steps", "5", "--checkpoint.save_steps", "0").train()
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-5"]
+    assert verify(tmp_path / "checkpoint-5").step == 5

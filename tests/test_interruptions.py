@@ -1,0 +1,175 @@
+"""SIGKILL at random moments (mid-save included), SIGTERM preemption, torchrun restarts: each
+relaunched with the same command until done, ending bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from checkpointing.manifest import list_checkpoints, verify
+from tests.checkpoints import assert_same_checkpoint, assert_same_losses
+from tests.launch import child_env, kill_tree, launcher_cmd, read_metrics, run_launcher
+
+STEPS = 30
+ARGS = (
+    "--train.max_steps",
+    str(STEPS),
+    "--train.logging_steps",
+    "1",
+    "--checkpoint.save_steps",
+    "2",
+    "--checkpoint.save_total_limit",
+    "3",
+)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    ref = tmp_path_factory.mktemp("ref") / "run"
+    result = run_launcher(ref, 2, *ARGS)
+    assert result.returncode == 0, result.output
+    return ref
+
+
+def start(
+    run_dir: Path, nproc: int | None, *args: str, torchrun_args: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    cmd = launcher_cmd(
+        nproc, ["--run.output_dir", str(run_dir), "--train.progress_bar", "never", *args]
+    )
+    if torchrun_args:
+        cmd[1:1] = list(torchrun_args)
+    return subprocess.Popen(
+        cmd,
+        cwd=run_dir.parent,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> bool:
+    """Poll until predicate() or the process ends; True if the predicate held."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.005)
+    raise TimeoutError("the run neither reached the point nor ended")
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def saving(run_dir: Path) -> bool:
+    return any(run_dir.glob(".tmp-checkpoint-*"))
+
+
+def assert_every_checkpoint_valid(run_dir: Path) -> None:
+    for _, path in list_checkpoints(run_dir):
+        verify(path)  # a `checkpoint-<step>` that exists is always complete
+
+
+def test_sigkill_at_random_moments_including_mid_save(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    rng = random.Random(1234)
+    kills = 0
+    # Kill points: twice the instant a save is under way, twice at a random step.
+    plans = ["save", "step", "save", "step"]
+    for plan in plans:
+        proc = start(run_dir, 2, *ARGS)
+        if plan == "save":
+            hit = wait_for(lambda: saving(run_dir), proc)
+            time.sleep(rng.uniform(0, 0.05))
+        else:
+            target = logged_steps(run_dir) + rng.randint(1, 6)
+            hit = wait_for(lambda t=target: logged_steps(run_dir) >= t, proc)
+            time.sleep(rng.uniform(0, 0.1))
+        kill_tree(proc)
+        kills += hit
+        assert_every_checkpoint_valid(run_dir)
+    assert kills >= 3, "the run finished before most kills: the test tested nothing"
+    proc = start(run_dir, 2, *ARGS)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert_same_losses(reference, run_dir)
+    assert_same_checkpoint(reference / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+
+
+def test_sigterm_under_torchrun_checkpoints_and_resumes(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    args = (*ARGS, "--checkpoint.save_steps", "0")
+    proc = start(run_dir, 2, *args)
+    assert wait_for(lambda: logged_steps(run_dir) >= 5, proc)
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker
+    out, _ = proc.communicate(timeout=120)
+    # torchrun itself exits 1 on the signal; each worker committed and exited 75 (preempted)
+    assert proc.returncode == 1
+    assert "preempted at step" in out, out
+    (step, path), *_ = list_checkpoints(run_dir)
+    assert verify(path).step == step and 5 <= step < STEPS
+    assert read_metrics(run_dir)[-1]["step"] == step
+    result = run_launcher(run_dir, 2, *args)
+    assert result.returncode == 0, result.output
+    assert f"resumed from {path}" in result.output
+    assert_same_losses(reference, run_dir)
+    assert_same_checkpoint(reference / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+
+
+def test_second_sigterm_during_save_is_harmless(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, None, "--train.max_steps", "2000", "--checkpoint.save_steps", "0")
+    assert wait_for(lambda: logged_steps(run_dir) >= 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert wait_for(lambda: saving(run_dir), proc, timeout=60) or proc.poll() is not None
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out
+    assert "preempted at step" in out
+    assert_every_checkpoint_valid(run_dir)
+    assert len(list_checkpoints(run_dir)) == 1
+
+
+def test_sigusr1_preempts_too(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, None, "--train.max_steps", "2000", "--checkpoint.save_steps", "0")
+    assert wait_for(lambda: logged_steps(run_dir) >= 2, proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out
+
+
+def test_torchrun_max_restarts_resumes_after_a_worker_crash(tmp_path):
+    marker = tmp_path / "crashed"
+    model = ("--model.name", "tests.crashy_model:factory", "--checkpoint.save_steps", "5")
+    kwargs = f"{{marker: {marker}, crash_at: 13, crash_rank: 1}}"
+    ref = tmp_path / "ref"
+    marker.touch()  # the reference never crashes
+    result = run_launcher(ref, 2, *ARGS, *model, "--model.kwargs", kwargs)
+    assert result.returncode == 0, result.output
+    marker.unlink()
+    run_dir = tmp_path / "run"
+    proc = start(
+        run_dir, 2, *ARGS, *model, "--model.kwargs", kwargs, torchrun_args=("--max-restarts", "1")
+    )
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode == 0, out
+    assert marker.exists() and "injected crash on rank 1" in out
+    assert "resumed from" in out
+    assert_same_losses(ref, run_dir)
+    assert_same_checkpoint(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
