@@ -50,8 +50,9 @@ def train(steps: int) -> tuple[TinyGPT, torch.optim.Optimizer]:
 
 def save(manager: CheckpointManager, step: int, entries: dict[str, Entry]) -> tuple[float, int]:
     t0 = time.perf_counter()
-    path = manager.save(step, entries, trajectory={}, config_fingerprint="bench", checks={},
-                        rank_checks={})
+    path = manager.save(
+        step, entries, trajectory={}, config_fingerprint="bench", checks={}, rank_checks={}
+    )
     seconds = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     shutil.rmtree(path)
@@ -88,12 +89,36 @@ def main() -> None:
             plain.append(size / plain_write(Path(tmp), payload) / 1e6)
             ours.append(size / save(manager, rep, entries)[0] / 1e6)
     print(json.dumps({"name": "checkpoint_bytes", "params": n_params, "bytes": size}))
-    print(json.dumps({"name": "save_mb_per_s", "ours_median": statistics.median(ours),
-                      "plain_median": statistics.median(plain), "ours": ours, "plain": plain}))
-    print(json.dumps({"name": "save_throughput", "ratio": statistics.median(ours)
-                      / statistics.median(plain), "reps": args.reps}))
-    print(json.dumps({"name": "save_peak_memory", "ratio": peak_save / peak_train,
-                      "peak_train_mb": peak_train, "peak_save_mb": peak_save}))
+    print(
+        json.dumps(
+            {
+                "name": "save_mb_per_s",
+                "ours_median": statistics.median(ours),
+                "plain_median": statistics.median(plain),
+                "ours": ours,
+                "plain": plain,
+            }
+        )
+    )
+    print(
+        json.dumps(
+            {
+                "name": "save_throughput",
+                "ratio": statistics.median(ours) / statistics.median(plain),
+                "reps": args.reps,
+            }
+        )
+    )
+    print(
+        json.dumps(
+            {
+                "name": "save_peak_memory",
+                "ratio": peak_save / peak_train,
+                "peak_train_mb": peak_train,
+                "peak_save_mb": peak_save,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

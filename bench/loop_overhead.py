@@ -40,12 +40,16 @@ def raw_loop(config_path: str, steps: int, out: Path) -> None:
     from core.models.tiny_gpt import TinyGPT
 
     cfg = load_config(config_path)
-    if (cfg.optim.name, cfg.scheduler.name, cfg.model.name) != (
-        "adamw_torch",
-        "cosine",
-        "tiny-gpt",
-    ):
-        raise SystemExit("the raw loop implements adamw_torch + cosine + tiny-gpt only")
+    what = (
+        cfg.optim.name,
+        cfg.scheduler.name,
+        cfg.model.name,
+        cfg.train.gradient_accumulation_steps,
+    )
+    if what != ("adamw_torch", "cosine", "tiny-gpt", 1) or cfg.train.bf16:
+        raise SystemExit(
+            f"the raw loop implements adamw_torch, cosine, tiny-gpt, fp32 only: {what}"
+        )
     seed, bs, m = cfg.run.seed, cfg.train.per_device_batch_size, cfg.model
     random.seed(seed)
     np.random.seed(seed)
@@ -116,7 +120,7 @@ def run_side(side: str, steps: int, threads: int) -> tuple[list[float], list[flo
         if side == "ours":
             cmd = [sys.executable, "-m", "launcher", "--config", CONFIG]
             cmd += ["--train.max_steps", str(steps), "--train.logging_steps", "1"]
-            cmd += ["--train.progress_bar", "never", "--checkpoint.save_steps", "0"]
+            cmd += ["--train.progress_bar", "never"]
             cmd += ["--run.output_dir", str(Path(tmp, "run"))]
             out = Path(tmp, "run", "metrics.jsonl")
         else:
@@ -152,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="runs of each side, interleaved")
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps left out")
     p.add_argument("--check", type=int, default=10, help="leading losses compared bit for bit")
-    # One thread by default: on a small shared VM two OpenMP threads stall at every barrier when
-    # the host deschedules a vCPU (runs 50x slower at random); pass --threads 2 to compare.
+    # One thread by default: on a shared 2-vCPU VM, two OpenMP threads were seen to make a whole
+    # run ~70x slower at random (a descheduled vCPU stalls every barrier); --threads 2 to compare.
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for both sides")
     p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)

@@ -33,10 +33,26 @@ from core.run import build_trainer  # noqa: E402
 FAR = 10_000
 NEAR = 10
 # One epoch holds 189k samples of the whole stdlib at seq_len 64: step 10,000 is mid-epoch.
-OVERRIDES = ["--model.n_layer", "1", "--model.n_embd", "16", "--model.n_head", "1",
-             "--data.max_bytes", "0", "--train.per_device_batch_size", "1",
-             "--train.max_steps", "20000", "--train.logging_steps", "1000",
-             "--train.progress_bar", "never", "--checkpoint.save_steps", "0"]
+OVERRIDES = [
+    "--model.n_layer",
+    "1",
+    "--model.n_embd",
+    "16",
+    "--model.n_head",
+    "1",
+    "--data.max_bytes",
+    "0",
+    "--train.per_device_batch_size",
+    "1",
+    "--train.max_steps",
+    "20000",
+    "--train.logging_steps",
+    "1000",
+    "--train.progress_bar",
+    "never",
+    "--checkpoint.save_steps",
+    "0",
+]
 
 
 class SaveAt(TrainerCallback):
@@ -54,8 +70,16 @@ def make_checkpoints(root: Path) -> None:
 
 def time_to_first_step(run_dir: Path, step: int) -> float:
     metrics = run_dir / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "launcher", *OVERRIDES, "--run.output_dir", str(run_dir),
-           "--train.logging_steps", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher",
+        *OVERRIDES,
+        "--run.output_dir",
+        str(run_dir),
+        "--train.logging_steps",
+        "1",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -84,16 +108,29 @@ def main() -> None:
             for step in (NEAR, FAR) if rep % 2 == 0 else (FAR, NEAR):
                 run_dir = root / f"resume-{step}-{rep}"
                 run_dir.mkdir()
-                shutil.copytree(root / "long" / f"checkpoint-{step}",
-                                run_dir / f"checkpoint-{step}")
+                shutil.copytree(
+                    root / "long" / f"checkpoint-{step}", run_dir / f"checkpoint-{step}"
+                )
                 times[step].append(time_to_first_step(run_dir, step))
                 shutil.rmtree(run_dir)
     near, far = statistics.median(times[NEAR]), statistics.median(times[FAR])
     for step, med in ((NEAR, near), (FAR, far)):
-        print(json.dumps({"name": f"resume_first_step_s_at_{step}", "median": med,
-                          "all": times[step]}))
-    print(json.dumps({"name": "resume_jump", "ratio": far / near, "near_step": NEAR,
-                      "far_step": FAR, "reps": args.reps}))
+        print(
+            json.dumps(
+                {"name": f"resume_first_step_s_at_{step}", "median": med, "all": times[step]}
+            )
+        )
+    print(
+        json.dumps(
+            {
+                "name": "resume_jump",
+                "ratio": far / near,
+                "near_step": NEAR,
+                "far_step": FAR,
+                "reps": args.reps,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 from pathlib import Path
@@ -12,8 +13,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from checkpointing.manifest import CheckpointError
 from core.config import Config, ConfigError, dump_config, load_config
 from core.data import DataError
+from core.run import build_trainer
 from launcher import exit_codes
-from launcher.dist import destroy_distributed, env_rank, init_distributed
+from launcher.dist import DistContext, destroy_distributed, env_rank, init_distributed
 from launcher.logs import setup_logging
 from launcher.signals import StopFlag
 
@@ -55,27 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         # cuBLAS reads this when CUDA initialises, so it must be set before anything touches CUDA.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-    from core.run import build_trainer  # imported late: the config error path stays fast
-
     ctx = init_distributed(config.engine)
-    clean = False
     stop = StopFlag().install()
+    code = exit_codes.FAILURE
     try:
-        trainer = build_trainer(config, ctx.info, ctx.device, stop_requested=stop)
-        if ctx.info.is_main:
-            write_resolved_config(config)
-        state = trainer.train()
-        clean = True
-        if trainer.preempted:
-            if ctx.info.is_main:
-                logger.warning(
-                    "preempted at step %d; checkpoint committed, relaunch to resume",
-                    state.global_step,
-                )
-            return exit_codes.PREEMPTED
-        if ctx.info.is_main:
-            logger.info("done: %d steps, %d samples", state.global_step, state.samples_seen)
-        return exit_codes.OK
+        code = train(config, ctx, stop)
+        return code
     except USAGE_ERRORS as e:
         if ctx.info.is_main:
             logger.error("%s", e)
@@ -88,4 +75,24 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.INTERRUPTED
     finally:
         stop.uninstall()
-        destroy_distributed(clean)
+        # The trainer (its DDP wrapper holds the process group) is gone once train() returned;
+        # collect it now so the group's threads end before the group is destroyed.
+        gc.collect()
+        destroy_distributed(clean=code in (exit_codes.OK, exit_codes.PREEMPTED))
+
+
+def train(config: Config, ctx: DistContext, stop: StopFlag) -> int:
+    """Build and run the trainer; the exit code for a run that ended without an exception."""
+    trainer = build_trainer(config, ctx.info, ctx.device, stop_requested=stop)
+    if ctx.info.is_main:
+        write_resolved_config(config)
+    state = trainer.train()
+    if trainer.preempted:
+        if ctx.info.is_main:
+            logger.warning(
+                "preempted at step %d; checkpoint committed, relaunch to resume", state.global_step
+            )
+        return exit_codes.PREEMPTED
+    if ctx.info.is_main:
+        logger.info("done: %d steps, %d samples", state.global_step, state.samples_seen)
+    return exit_codes.OK
