@@ -17,6 +17,7 @@ from core.run import build_trainer
 from launcher import exit_codes
 from launcher.dist import DistContext, destroy_distributed, env_rank, init_distributed
 from launcher.logs import setup_logging
+from launcher.malloc import tune_glibc_malloc
 from launcher.signals import StopFlag
 
 logger = logging.getLogger("launcher")
@@ -45,6 +46,7 @@ def write_resolved_config(config: Config) -> None:
 def main(argv: list[str] | None = None) -> int:
     rank = env_rank()
     setup_logging(rank)
+    tune_glibc_malloc()
     try:
         config_path, overrides = parse_args(argv)
         config = load_config(config_path, overrides)

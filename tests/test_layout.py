@@ -43,3 +43,10 @@ def test_models_import_no_torch_distributed():
     for path in (REPO / "core" / "models").rglob("*.py"):
         bad = {m for m in imported_modules(path) if m.startswith("torch.distributed")}
         assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
+def test_glibc_malloc_tuning_respects_user_settings():
+    from launcher.malloc import tune_glibc_malloc
+
+    assert tune_glibc_malloc({"MALLOC_ARENA_MAX": "2"}) is False
+    assert tune_glibc_malloc({}) is True  # this machine runs glibc
