@@ -40,6 +40,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/loop_overhead.py
+	$(BIN)/python bench/checkpoint_save.py
+	$(BIN)/python bench/resume_jump.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
