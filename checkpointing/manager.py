@@ -143,9 +143,9 @@ class CheckpointManager:
 
     def _commit(self, tmp: Path, final: Path) -> None:
         if final.exists():
-            # Only an uncommitted or corrupt directory can stand here (a valid one for this
-            # step is never re-saved): move it aside first, since rename cannot replace a
-            # non-empty directory.
+            # An earlier attempt at this step: uncommitted, corrupt, or left by a run that was
+            # resumed from an older checkpoint. rename cannot replace a non-empty directory,
+            # so move it aside first; the trash is emptied once the new one is in place.
             final.rename(self.root / f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
         tmp.rename(final)
         fsync_dir(self.root)

@@ -140,13 +140,9 @@ class RunCheckpointer:
         path, manifest = found
         self._check_trajectory(path, manifest.trajectory)
         self.manager.load(path, manifest, self.entries())
-        self._compare(path, "learning rate", manifest.checks["lr"], self._checks()["lr"])
-        self._compare(
-            path,
-            "next batch sample ids",
-            manifest.checks["next_sample_ids"],
-            self._checks()["next_sample_ids"],
-        )
+        now = self._checks()
+        for key, what in (("lr", "learning rate"), ("next_sample_ids", "next batch sample ids")):
+            self._compare(path, what, manifest.checks[key], now[key])
         self._pending_rng_check = manifest.checks["rng"][self.manager.rank]
         self.last_saved_step = manifest.step
         logger.info(

@@ -17,6 +17,19 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
+# A small in-process run: 625 samples of 32 bytes, 8 per batch, logging every step.
+SMALL = [
+    "--data.max_bytes",
+    "20000",
+    "--data.seq_len",
+    "32",
+    "--train.per_device_batch_size",
+    "8",
+    "--train.logging_steps",
+    "1",
+    "--train.progress_bar",
+    "never",
+]
 BIN = Path(sys.executable).parent
 
 

@@ -18,23 +18,9 @@ from core.checkpoint import ResumeMismatchError
 from core.config import load_config
 from core.loop import DistInfo
 from core.run import build_trainer
+from tests.launch import SMALL as SMALL_RUN
 
-SMALL = [
-    "--data.max_bytes",
-    "20000",
-    "--data.seq_len",
-    "32",
-    "--train.per_device_batch_size",
-    "8",
-    "--train.logging_steps",
-    "1",
-    "--train.progress_bar",
-    "never",
-    "--train.max_steps",
-    "8",
-    "--checkpoint.save_steps",
-    "4",
-]
+SMALL = [*SMALL_RUN, "--train.max_steps", "8", "--checkpoint.save_steps", "4"]
 
 
 def trainer_for(run_dir: Path, *overrides: str, callbacks=None):

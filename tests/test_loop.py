@@ -9,20 +9,7 @@ from core.callbacks import TrainerCallback
 from core.config import load_config
 from core.loop import DistInfo
 from core.run import build_trainer
-from tests.launch import read_metrics
-
-SMALL = [
-    "--data.max_bytes",
-    "20000",
-    "--data.seq_len",
-    "32",
-    "--train.per_device_batch_size",
-    "8",
-    "--train.logging_steps",
-    "1",
-    "--train.progress_bar",
-    "never",
-]
+from tests.launch import SMALL, read_metrics
 
 
 def train(tmp_path, *overrides, callbacks=None):
