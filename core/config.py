@@ -119,6 +119,10 @@ class DataConfig:
     """Drop the last incomplete batch of an epoch."""
     group_by_length: bool = False
     """Batch samples of similar length together (useful with packing: false)."""
+    remove_unused_columns: bool = True
+    """Drop dataset columns the model's forward does not accept (logged once)."""
+    label_names: list[str] | None = None
+    """Batch keys that hold labels (default: labels, when the model accepts it)."""
 
     def __post_init__(self) -> None:
         _one_of(self.format, "data.format", DATA_FORMATS)
@@ -147,6 +151,10 @@ class TrainConfig:
     """Run forward passes under bf16 autocast."""
     progress_bar: str = "auto"
     """auto (tqdm on a terminal), always or never."""
+    auto_find_batch_size: bool = False
+    """On out-of-memory in the first steps: halve the batch, double accumulation, retry."""
+    label_smoothing_factor: float = 0.0
+    """Label smoothing for models that return logits (cross_entropy's label_smoothing)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -171,6 +179,11 @@ class TrainConfig:
         _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 disables)")
         _check(self.logging_steps > 0, "train.logging_steps", "must be > 0")
         _one_of(self.progress_bar, "train.progress_bar", ("auto", "always", "never"))
+        _check(
+            0.0 <= self.label_smoothing_factor < 1.0,
+            "train.label_smoothing_factor",
+            "must be in [0, 1)",
+        )
 
 
 @dataclass
@@ -217,6 +230,22 @@ class SchedulerConfig:
 
 
 @dataclass
+class EvalConfig:
+    strategy: str = "no"
+    """When to evaluate: no, steps (every eval.steps), epoch (at each epoch end)."""
+    steps: int = 0
+    """With strategy steps: evaluate every this many optimizer steps (0: train.logging_steps)."""
+    per_device_batch_size: int | None = None
+    """Eval micro-batch per rank (default: train.per_device_batch_size)."""
+
+    def __post_init__(self) -> None:
+        _one_of(self.strategy, "eval.strategy", ("no", "steps", "epoch"))
+        _check(self.steps >= 0, "eval.steps", "must be >= 0")
+        if self.per_device_batch_size is not None:
+            _check(self.per_device_batch_size > 0, "eval.per_device_batch_size", "must be > 0")
+
+
+@dataclass
 class CheckpointConfig:
     save_steps: int = 0
     """Save a checkpoint every this many optimizer steps (0 = only the final one)."""
@@ -226,6 +255,12 @@ class CheckpointConfig:
     """latest (newest committed checkpoint in output_dir, if any), none, or a checkpoint path."""
     allow_config_change: bool = False
     """Resume even when fields that change the trajectory differ from the checkpoint's."""
+    best_metric: str | None = None
+    """Metric (e.g. eval_loss) whose best checkpoint retention keeps beside the newest."""
+    greater_is_better: bool | None = None
+    """Whether a larger best_metric is better (default: false for names ending in loss)."""
+    load_best_model_at_end: bool = False
+    """Load the best checkpoint's model weights when training ends (needs best_metric)."""
 
     def __post_init__(self) -> None:
         _check(self.save_steps >= 0, "checkpoint.save_steps", "must be >= 0")
@@ -259,12 +294,27 @@ class Config:
     model: ModelConfig
     data: DataConfig
     train: TrainConfig
+    eval: EvalConfig
     optim: OptimConfig
     scheduler: SchedulerConfig
     checkpoint: CheckpointConfig
     engine: EngineConfig
 
     def __post_init__(self) -> None:
+        if self.checkpoint.load_best_model_at_end:
+            _check(
+                self.checkpoint.best_metric is not None,
+                "checkpoint.load_best_model_at_end",
+                "needs checkpoint.best_metric (e.g. eval_loss)",
+            )
+        if self.checkpoint.best_metric is not None and self.checkpoint.best_metric.startswith(
+            "eval_"
+        ):
+            _check(
+                self.eval.strategy != "no",
+                "checkpoint.best_metric",
+                f"{self.checkpoint.best_metric} needs evaluation: set eval.strategy",
+            )
         if self.model.name == "tiny-gpt":
             _check(
                 self.data.seq_len <= self.model.block_size,
@@ -289,6 +339,13 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(key, value, inner[0])
+    if origin is list:
+        _check(
+            isinstance(value, list) and all(isinstance(v, str) for v in value),
+            key,
+            f"expected a list of strings, got {value!r}",
+        )
+        return list(value)
     if origin is dict or annotation is dict:
         _check(isinstance(value, dict), key, f"expected a mapping, got {value!r}")
         return dict(value)
@@ -312,7 +369,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         _check(ok, key, f"expected a number, got {value!r}")
         return float(value)
     if annotation is str:
-        _check(isinstance(value, str), key, f"expected a string, got {value!r}")
+        hint = " (quote YAML words such as 'no')" if isinstance(value, bool) else ""
+        _check(isinstance(value, str), key, f"expected a string, got {value!r}{hint}")
         return value
     raise TypeError(f"unsupported config annotation {annotation!r} for {key}")
 
@@ -347,6 +405,11 @@ def build_config(values: dict[str, Any]) -> Config:
     return Config(**sections)
 
 
+def _is_text_field(section: str, name: str) -> bool:
+    hints = typing.get_type_hints(SECTIONS[section])
+    return name in hints and str in (hints[name], *typing.get_args(hints[name]))
+
+
 def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
     """Parse `--section.key value` / `--section.key=value` flags; values are YAML scalars."""
     out: dict[str, dict[str, Any]] = {}
@@ -367,10 +430,13 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
             i += 2
         section, _, name = key.partition(".")
         _check(section in SECTIONS, f"--{key}", f"unknown section; valid: {', '.join(SECTIONS)}")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
+        if _is_text_field(section, name) and raw not in ("null", "~"):
+            value: Any = raw  # keep words such as `no` or `on` as typed, not as YAML booleans
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError:
+                value = raw
         out.setdefault(section, {})[name] = value
     return out
 

@@ -60,6 +60,8 @@ def test_public_cli_surface_is_pinned():
             "num_workers",
             "drop_last",
             "group_by_length",
+            "remove_unused_columns",
+            "label_names",
         ],
         "train": [
             "max_steps",
@@ -70,10 +72,21 @@ def test_public_cli_surface_is_pinned():
             "logging_steps",
             "bf16",
             "progress_bar",
+            "auto_find_batch_size",
+            "label_smoothing_factor",
         ],
+        "eval": ["strategy", "steps", "per_device_batch_size"],
         "optim": ["name", "lr", "weight_decay", "beta1", "beta2", "eps", "momentum"],
         "scheduler": ["name", "warmup_steps", "warmup_ratio", "kwargs"],
-        "checkpoint": ["save_steps", "save_total_limit", "resume_from", "allow_config_change"],
+        "checkpoint": [
+            "save_steps",
+            "save_total_limit",
+            "resume_from",
+            "allow_config_change",
+            "best_metric",
+            "greater_is_better",
+            "load_best_model_at_end",
+        ],
         "engine": ["name", "backend", "device", "find_unused_parameters"],
     }
 
