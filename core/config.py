@@ -406,8 +406,10 @@ def build_config(values: dict[str, Any]) -> Config:
 
 
 def _is_text_field(section: str, name: str) -> bool:
-    hints = typing.get_type_hints(SECTIONS[section])
-    return name in hints and str in (hints[name], *typing.get_args(hints[name]))
+    hint = typing.get_type_hints(SECTIONS[section]).get(name)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return str in typing.get_args(hint)
+    return hint is str
 
 
 def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:

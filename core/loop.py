@@ -53,7 +53,7 @@ def plan_steps(config: Config, sampler: ResumableDistributedSampler) -> tuple[in
     return per_epoch, tc.max_steps or (tc.num_epochs or 0) * per_epoch
 
 
-class Trainer:
+class TrainLoop:
     """Runs `config.train` over `dataset` with `engine`; `state` and `sampler` are Stateful."""
 
     def __init__(
@@ -63,7 +63,7 @@ class Trainer:
         dataset: Dataset[Any],
         sampler: ResumableDistributedSampler,
         collate_fn: Callable[[list[Any]], Any],
-        lengths: np.ndarray,
+        lengths: np.ndarray | None,
         dist_info: DistInfo,
         callbacks: list[TrainerCallback] | None = None,
         state: TrainState | None = None,
@@ -75,7 +75,8 @@ class Trainer:
         self.dataset = dataset
         self.sampler = sampler
         self.collate_fn = collate_fn
-        self.lengths = np.asarray(lengths, dtype=np.int64)
+        # Per-sample token counts, when the dataset tells them (tokens_seen stays 0 otherwise).
+        self.lengths = None if lengths is None else np.asarray(lengths, dtype=np.int64)
         self.dist = dist_info
         self.state = state or TrainState()
         self.control = TrainerControl()
@@ -178,7 +179,8 @@ class Trainer:
 
         consumed = sum(sizes) * self.dist.world_size
         start = self.sampler.position
-        state.tokens_seen += int(self.lengths[order[start : start + consumed]].sum())
+        if self.lengths is not None:
+            state.tokens_seen += int(self.lengths[order[start : start + consumed]].sum())
         state.samples_seen += consumed
         self.sampler.advance(consumed)
         state.global_step = step
@@ -207,9 +209,10 @@ class Trainer:
             "lr": lr,
             "epoch": state.epoch + self.sampler.position / self.sampler.total_size,  # fraction
             "samples": state.samples_seen,
-            "tokens": state.tokens_seen,
             "step_time_s": (now - t0) / max(1, state.global_step - s0),
         }
+        if self.lengths is not None:
+            logs["tokens"] = state.tokens_seen
         if grad_norm is not None:
             logs["grad_norm"] = grad_norm.item()
         self.engine.schedule.observe(loss)

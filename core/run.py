@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+import datasets
+import numpy as np
 import torch
+from torch import nn
 
 from checkpointing.comm import control_group
 from checkpointing.manager import CheckpointManager
@@ -14,16 +19,53 @@ from core.checkpoint import RunCheckpointer, trajectory
 from core.config import Config, ConfigError
 from core.data import build_dataset, collate, dataset_fingerprint, sample_lengths
 from core.engines.ddp import DDPEngine
-from core.loop import DistInfo, Trainer, plan_steps
+from core.loop import DistInfo, TrainLoop, plan_steps
 from core.metrics import JsonlMetrics, Progress
 from core.models import build_model
-from core.optim import build_optimizer
+from core.optim import build_optimizer, parameter_groups
 from core.sampler import ResumableDistributedSampler
-from core.schedules import build_schedule
+from core.schedules import Schedule, build_schedule
 from core.seeding import enable_full_determinism, set_seed
 from core.state import TrainState
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class UserParts:
+    """What a Python API user may bring instead of the config's built-in choices."""
+
+    model: nn.Module | None = None
+    model_init: Callable[[], nn.Module] | None = None
+    train_dataset: Any = None
+    eval_dataset: Any = None
+    data_collator: Callable[[list[Any]], Any] | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    lr_scheduler: Any = None
+    optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None
+    compute_metrics: Callable[..., dict[str, float]] | None = None
+    preprocess_logits_for_metrics: Callable[..., Any] | None = None
+
+
+def _dataset_facts(dataset: Any) -> tuple[np.ndarray | None, str]:
+    """(per-sample token counts or None, content fingerprint) of a training dataset."""
+    if isinstance(dataset, datasets.Dataset) and "input_ids" in dataset.column_names:
+        return np.asarray(sample_lengths(dataset)), dataset_fingerprint(dataset)
+    if isinstance(dataset, datasets.Dataset):
+        return None, dataset_fingerprint(dataset)
+    # A torch map-style dataset has no content hash; its type and size stand in for one.
+    return None, f"{type(dataset).__qualname__}:{len(dataset)}"
+
+
+def _build_optimizer(
+    model: nn.Module, config: Config, parts: UserParts, device: torch.device
+) -> torch.optim.Optimizer:
+    if parts.optimizer is not None:
+        return parts.optimizer
+    if parts.optimizer_cls_and_kwargs is not None:
+        cls, kwargs = parts.optimizer_cls_and_kwargs
+        return cls(parameter_groups(model, config.optim.weight_decay), **kwargs)
+    return build_optimizer(model, config.optim, device)
 
 
 def build_trainer(
@@ -32,15 +74,17 @@ def build_trainer(
     device: torch.device,
     callbacks: list[TrainerCallback] | None = None,
     stop_requested: Callable[[], bool] | None = None,
-) -> Trainer:
+    parts: UserParts | None = None,
+) -> TrainLoop:
     """Everything a run needs, built in a fixed order so that seeding decides all of it."""
+    parts = parts or UserParts()
     if config.run.full_determinism:
         enable_full_determinism(config.run.seed)
     else:
         set_seed(config.run.seed)
 
-    dataset = build_dataset(config.data)
-    lengths = sample_lengths(dataset)
+    dataset = parts.train_dataset if parts.train_dataset is not None else build_dataset(config.data)
+    lengths, data_fp = _dataset_facts(dataset)
     try:
         sampler = ResumableDistributedSampler(
             num_samples=len(dataset),
@@ -55,15 +99,24 @@ def build_trainer(
     except ValueError as e:
         raise ConfigError(f"train.per_device_batch_size: {e}") from e
 
-    model = build_model(config.model).to(device)
-    optimizer = build_optimizer(model, config.optim, device)
+    if parts.model_init is not None:
+        model = parts.model_init()  # after seeding, so every train() gets the same init
+    elif parts.model is not None:
+        model = parts.model
+    else:
+        model = build_model(config.model)
+    model = model.to(device)
+    optimizer = _build_optimizer(model, config, parts, device)
     sc = config.scheduler
-    try:
-        schedule = build_schedule(
-            optimizer, sc.name, total_steps, sc.warmup_steps, sc.warmup_ratio, sc.kwargs
-        )
-    except ValueError as e:
-        raise ConfigError(f"scheduler.kwargs: {e}") from e
+    if parts.lr_scheduler is not None:
+        schedule = Schedule(parts.lr_scheduler)
+    else:
+        try:
+            schedule = build_schedule(
+                optimizer, sc.name, total_steps, sc.warmup_steps, sc.warmup_ratio, sc.kwargs
+            )
+        except ValueError as e:
+            raise ConfigError(f"scheduler.kwargs: {e}") from e
     engine = DDPEngine(
         model,
         optimizer,
@@ -76,7 +129,7 @@ def build_trainer(
     if dist_info.is_main:
         logger.info(
             "model %s: %.2fM parameters; %d samples, %d steps on %d rank(s), device %s",
-            config.model.name,
+            type(model).__name__,
             n_params / 1e6,
             len(dataset),
             total_steps,
@@ -98,7 +151,7 @@ def build_trainer(
         engine,
         sampler,
         state,
-        trajectory(config, dist_info.world_size, dataset_fingerprint(dataset), total_steps),
+        trajectory(config, dist_info.world_size, data_fp, total_steps),
     )
     reporters: list[TrainerCallback] = []
     if dist_info.is_main:
@@ -106,12 +159,12 @@ def build_trainer(
             JsonlMetrics(config.run.output_dir),
             Progress(total_steps, config.train.progress_bar),
         ]
-    return Trainer(
+    return TrainLoop(
         config,
         engine,
         dataset,
         sampler,
-        collate,
+        parts.data_collator or collate,
         lengths,
         dist_info,
         callbacks=[*reporters, *(callbacks or [])],

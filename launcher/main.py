@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
-import os
-from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpointing.manifest import CheckpointError
-from core.config import Config, ConfigError, dump_config, load_config
+from core.config import Config, ConfigError, load_config
 from core.data import DataError
-from core.run import build_trainer
+from core.trainer import Trainer
 from launcher import exit_codes
-from launcher.dist import DistContext, destroy_distributed, env_rank, init_distributed
+from launcher.dist import env_rank
 from launcher.logs import setup_logging
-from launcher.malloc import tune_glibc_malloc
-from launcher.signals import StopFlag
+from launcher.session import Session, session
 
 logger = logging.getLogger("launcher")
 
@@ -36,17 +32,10 @@ def parse_args(argv: list[str] | None) -> tuple[str | None, list[str]]:
     return args.config, overrides
 
 
-def write_resolved_config(config: Config) -> None:
-    out = Path(config.run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(dump_config(config))
-
-
 @record
 def main(argv: list[str] | None = None) -> int:
     rank = env_rank()
     setup_logging(rank)
-    tune_glibc_malloc()
     try:
         config_path, overrides = parse_args(argv)
         config = load_config(config_path, overrides)
@@ -54,19 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             logger.error("%s", e)
         return exit_codes.USAGE
-    setup_logging(rank, config.run.log_level)
-    if config.run.full_determinism:
-        # cuBLAS reads this when CUDA initialises, so it must be set before anything touches CUDA.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-    ctx = init_distributed(config.engine)
-    stop = StopFlag().install()
-    code = exit_codes.FAILURE
     try:
-        code = train(config, ctx, stop)
-        return code
+        with session(config.engine, config.run.log_level, config.run.full_determinism) as s:
+            return train(config, s)
     except USAGE_ERRORS as e:
-        if ctx.info.is_main:
+        if rank == 0:
             logger.error("%s", e)
         return exit_codes.USAGE
     except CheckpointError as e:
@@ -75,26 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         logger.warning("interrupted")
         return exit_codes.INTERRUPTED
-    finally:
-        stop.uninstall()
-        # The trainer (its DDP wrapper holds the process group) is gone once train() returned;
-        # collect it now so the group's threads end before the group is destroyed.
-        gc.collect()
-        destroy_distributed(clean=code in (exit_codes.OK, exit_codes.PREEMPTED))
 
 
-def train(config: Config, ctx: DistContext, stop: StopFlag) -> int:
-    """Build and run the trainer; the exit code for a run that ended without an exception."""
-    trainer = build_trainer(config, ctx.info, ctx.device, stop_requested=stop)
-    if ctx.info.is_main:
-        write_resolved_config(config)
-    state = trainer.train()
+def train(config: Config, s: Session) -> int:
+    """Run the Python API's Trainer; the exit code for a run that ended without an exception."""
+    trainer = Trainer(args=config, dist_info=s.info, device=s.device, stop_requested=s.stop)
+    result = trainer.train()
     if trainer.preempted:
-        if ctx.info.is_main:
+        if s.info.is_main:
             logger.warning(
-                "preempted at step %d; checkpoint committed, relaunch to resume", state.global_step
+                "preempted at step %d; checkpoint committed, relaunch to resume", result.global_step
             )
         return exit_codes.PREEMPTED
-    if ctx.info.is_main:
-        logger.info("done: %d steps, %d samples", state.global_step, state.samples_seen)
+    if s.info.is_main:
+        logger.info("done: %d steps, training loss %.4f", result.global_step, result.training_loss)
     return exit_codes.OK

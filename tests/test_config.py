@@ -188,3 +188,14 @@ def test_file_without_steps_is_refused(tmp_path):
     path.write_text("optim: {lr: 0.1}\n")
     with pytest.raises(ConfigError, match="set train.max_steps or train.num_epochs"):
         load_config(path)
+
+
+def test_text_overrides_keep_yaml_words_and_mappings_still_parse():
+    parsed = parse_overrides(
+        ["--eval.strategy", "no", "--model.kwargs", "{a: 1}", "--checkpoint.best_metric", "null"]
+    )
+    assert parsed == {
+        "eval": {"strategy": "no"},
+        "model": {"kwargs": {"a": 1}},
+        "checkpoint": {"best_metric": None},
+    }

@@ -1,0 +1,139 @@
+"""The Python API: a Hugging Face Trainer-shaped front door to the same loop and checkpoints.
+
+    trainer = Trainer(model=..., args=config, train_dataset=..., eval_dataset=...,
+                      compute_metrics=..., callbacks=[...], dist_info=..., device=...)
+    result = trainer.train(resume_from_checkpoint=True)
+
+The launcher is a thin user of this class. Distributed setup stays outside core: under torchrun,
+get `dist_info`, `device` and `stop_requested` from `launcher.session()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from core.callbacks import TrainerCallback
+from core.config import Config, dump_config, load_config
+from core.loop import DistInfo, TrainLoop
+from core.run import UserParts, build_trainer
+
+
+@dataclass
+class TrainOutput:
+    global_step: int
+    training_loss: float
+    """Mean of the logged training losses (every logging_steps-th step and the last)."""
+    metrics: dict[str, float]
+
+
+def _resume_value(resume_from_checkpoint: bool | str | Path | None, config: Config) -> str:
+    """train()'s argument in the config's terms: None keeps checkpoint.resume_from."""
+    if resume_from_checkpoint is None:
+        return config.checkpoint.resume_from
+    if resume_from_checkpoint is True:
+        return "latest"
+    if resume_from_checkpoint is False:
+        return "none"
+    return str(resume_from_checkpoint)
+
+
+class Trainer:
+    """Train `model` (or `model_init()`, re-invoked after seeding at every train()) on
+    `train_dataset` (a `datasets.Dataset` or a torch map-style dataset; default: the config's
+    data section) with everything else from `args` (a Config, a YAML path, or None for
+    configs/tiny.yaml). `optimizers=(optimizer, lr_scheduler)` replaces the config's optimizer
+    and schedule; `optimizer_cls_and_kwargs=(cls, kwargs)` builds `cls` over our parameter
+    groups."""
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: Config | str | Path | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        data_collator: Callable[[list[Any]], Any] | None = None,
+        compute_metrics: Callable[..., dict[str, float]] | None = None,
+        preprocess_logits_for_metrics: Callable[..., Any] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
+        model_init: Callable[[], nn.Module] | None = None,
+        *,
+        dist_info: DistInfo | None = None,
+        device: torch.device | None = None,
+        stop_requested: Callable[[], bool] | None = None,
+    ) -> None:
+        if model is not None and model_init is not None:
+            raise ValueError("pass either model or model_init, not both")
+        if optimizers[0] is not None and optimizer_cls_and_kwargs is not None:
+            raise ValueError("pass either optimizers or optimizer_cls_and_kwargs, not both")
+        if optimizers[1] is not None and optimizers[0] is None:
+            raise ValueError("optimizers=(None, scheduler): give the scheduler's optimizer too")
+        self.args = args if isinstance(args, Config) else load_config(args)
+        self.parts = UserParts(
+            model=model,
+            model_init=model_init,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            data_collator=data_collator,
+            optimizer=optimizers[0],
+            lr_scheduler=optimizers[1],
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        self.callbacks = list(callbacks or [])
+        self.dist_info = dist_info or DistInfo()
+        self.device = device or torch.device("cpu")
+        self.stop_requested = stop_requested
+        self.model = model
+        self.loop: TrainLoop | None = None
+
+    def train(self, resume_from_checkpoint: bool | str | Path | None = None) -> TrainOutput:
+        """Train to max_steps / num_epochs. `resume_from_checkpoint`: None keeps the config's
+        checkpoint.resume_from (default latest), True is latest, False is none, a path resumes
+        that checkpoint."""
+        config = dataclasses.replace(
+            self.args,
+            checkpoint=dataclasses.replace(
+                self.args.checkpoint,
+                resume_from=_resume_value(resume_from_checkpoint, self.args),
+            ),
+        )
+        t0 = time.perf_counter()
+        self.loop = build_trainer(
+            config,
+            self.dist_info,
+            self.device,
+            callbacks=self.callbacks,
+            stop_requested=self.stop_requested,
+            parts=self.parts,
+        )
+        if self.dist_info.is_main:  # only once everything was built: bad input writes nothing
+            out = Path(config.run.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.yaml").write_text(dump_config(config))
+        start_step = self.loop.state.global_step
+        state = self.loop.train()
+        self.model = self.loop.engine.model
+        losses = [h["loss"] for h in state.log_history if "loss" in h]
+        runtime = time.perf_counter() - t0
+        steps = state.global_step - start_step
+        metrics = {"train_runtime": runtime, "train_steps_per_second": steps / runtime}
+        return TrainOutput(
+            state.global_step, statistics.fmean(losses) if losses else float("nan"), metrics
+        )
+
+    @property
+    def preempted(self) -> bool:
+        """True when the last train() stopped on a stop request and checkpointed."""
+        return self.loop is not None and self.loop.preempted
