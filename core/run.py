@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,12 +17,14 @@ from checkpointing.comm import control_group
 from checkpointing.manager import CheckpointManager
 from core.callbacks import TrainerCallback
 from core.checkpoint import RunCheckpointer, trajectory
+from core.columns import default_label_names, remove_unused_columns
 from core.config import Config, ConfigError
 from core.data import build_dataset, collate, dataset_fingerprint, sample_lengths
 from core.engines.ddp import DDPEngine
 from core.loop import DistInfo, TrainLoop, plan_steps
+from core.losses import LabelSmoother, compute_loss
 from core.metrics import JsonlMetrics, Progress
-from core.models import build_model
+from core.models import build_model, call_model
 from core.optim import build_optimizer, parameter_groups
 from core.sampler import ResumableDistributedSampler
 from core.schedules import Schedule, build_schedule
@@ -106,6 +109,15 @@ def build_trainer(
     else:
         model = build_model(config.model)
     model = model.to(device)
+    label_names = config.data.label_names or default_label_names(model)
+    dataset = remove_unused_columns(dataset, model, label_names, config.data.remove_unused_columns)
+    loss_fn = call_model
+    if config.train.label_smoothing_factor > 0:
+        loss_fn = functools.partial(
+            compute_loss,
+            label_smoother=LabelSmoother(config.train.label_smoothing_factor),
+            label_names=label_names,
+        )
     optimizer = _build_optimizer(model, config, parts, device)
     sc = config.scheduler
     if parts.lr_scheduler is not None:
@@ -124,6 +136,7 @@ def build_trainer(
         device,
         bf16=config.train.bf16,
         find_unused_parameters=config.engine.find_unused_parameters,
+        loss_fn=loss_fn,
     )
     n_params = sum(p.numel() for p in model.parameters())
     if dist_info.is_main:

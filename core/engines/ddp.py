@@ -8,7 +8,7 @@ resume guarantee; what remains (device placement, autocast, no_sync) is a few li
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -42,12 +42,14 @@ class DDPEngine(Engine):
         device: torch.device,
         bf16: bool = False,
         find_unused_parameters: bool = False,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] = call_model,
     ) -> None:
         self.device = device
         self.optimizer = optimizer
         self.schedule = schedule
         self._model = model
         self._bf16 = bf16
+        self._loss_fn = loss_fn
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         if self._distributed:
             ids = [device.index] if device.type == "cuda" else None
@@ -73,7 +75,7 @@ class DDPEngine(Engine):
     def forward(self, batch: Any) -> torch.Tensor:
         batch = move_to_device(batch, self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._bf16):
-            return call_model(self._wrapped, batch)
+            return self._loss_fn(self._wrapped, batch)
 
     def backward(self, loss: torch.Tensor, num_micro_batches: int) -> None:
         (loss / num_micro_batches if num_micro_batches > 1 else loss).backward()
