@@ -11,12 +11,14 @@ import hashlib
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from checkpointing.manager import CheckpointManager, Entry
 from checkpointing.manifest import CheckpointError
 from checkpointing.rng import RNGState, rng_fingerprint
+from checkpointing.stateful import Stateful
 from core.config import Config
 from core.engines.base import Engine
 from core.sampler import ResumableDistributedSampler
@@ -79,6 +81,8 @@ class RunCheckpointer:
         self.trajectory = trajectory
         self.rng = RNGState()
         self.last_saved_step: int | None = None
+        self.extra_state: Callable[[], dict[str, Stateful]] = dict
+        """More global entries (callbacks with state), asked for at every save and load."""
         self._pending_rng_check: str | None = None
 
     def entries(self) -> dict[str, Entry]:
@@ -94,6 +98,7 @@ class RunCheckpointer:
             **{name: Entry(obj) for name, obj in self.engine.stateful().items()},
             "sampler": Entry(self.sampler),
             "train_state": Entry(self.state),
+            **{name: Entry(obj) for name, obj in self.extra_state().items()},
             "rng": Entry(self.rng, per_rank=True),
         }
 

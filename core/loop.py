@@ -86,6 +86,9 @@ class TrainLoop:
         """True when training stopped on a stop request (a signal) and checkpointed."""
         self.callbacks = CallbackHandler(callbacks or [])
         self.steps_per_epoch, self.total_steps = plan_steps(config, sampler)
+        if checkpointer is not None:
+            checkpointer.extra_state = self.callbacks.stateful  # callbacks with state resume too
+        self._fire("on_init_end")
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self) -> TrainState:
@@ -107,6 +110,8 @@ class TrainLoop:
     def _train_epoch(self) -> None:
         """Optimizer steps from the sampler's position to the end of its epoch (or a stop)."""
         state, tc = self.state, self.config.train
+        self.control.reset_epoch()
+        self._fire("on_epoch_begin")
         loader = make_dataloader(
             self.dataset,
             self.sampler,
@@ -123,8 +128,11 @@ class TrainLoop:
         while sizes and state.global_step < self.total_steps:
             n = min(tc.gradient_accumulation_steps, len(sizes))
             step_sizes, sizes = sizes[:n], sizes[n:]
+            epoch = state.epoch
             self._train_step(batches, step_sizes, order)
             self._fire("on_step_end")
+            if state.epoch != epoch:
+                self._fire("on_epoch_end")
             if self._after_step():
                 break
 
@@ -167,15 +175,23 @@ class TrainLoop:
         step = state.global_step + 1
         will_log = step % self.config.train.logging_steps == 0 or step == self.total_steps
         lr = engine.schedule.last_lr()
+        self._fire("on_step_begin")
         losses = []
         for i, _ in enumerate(sizes):
             batch = next(batches)
-            with engine.accumulate(sync=i == len(sizes) - 1):
+            last = i == len(sizes) - 1
+            with engine.accumulate(sync=last):
                 loss = engine.forward(batch)
                 engine.backward(loss, len(sizes))
             if will_log:
                 losses.append(loss.detach())
+            if not last:
+                self._fire("on_substep_end")
+        # The engine clips, steps and zeroes in one call (DeepSpeed's step does all three), so
+        # on_pre_optimizer_step comes before clipping and on_optimizer_step after zero_grad.
+        self._fire("on_pre_optimizer_step")
         grad_norm = engine.optimizer_step(self.config.train.max_grad_norm)
+        self._fire("on_optimizer_step")
 
         consumed = sum(sizes) * self.dist.world_size
         start = self.sampler.position
