@@ -24,6 +24,7 @@ from checkpointing.manifest import (
     CheckpointError,
     Manifest,
     list_checkpoints,
+    read_manifest,
     verify,
 )
 from checkpointing.serialize import (
@@ -66,6 +67,7 @@ class CheckpointManager:
         save_total_limit: int | None = None,
         engine: str = "ddp",
         group: Any = None,
+        greater_is_better: bool = False,
     ) -> None:
         self.root = Path(root)
         self.rank = rank
@@ -73,6 +75,8 @@ class CheckpointManager:
         self.save_total_limit = save_total_limit
         self.engine = engine
         self.group = group  # a CPU (gloo) group for control messages; None: the default one
+        # How to rank checkpoints by the metric a save records in checks["metric"]["value"].
+        self.greater_is_better = greater_is_better
 
     # -- save ----------------------------------------------------------------------------------
     def save(
@@ -152,13 +156,27 @@ class CheckpointManager:
         self._empty_trash()
 
     def _retain(self, keep: Path) -> None:
+        """Delete the oldest committed checkpoints beyond save_total_limit, never the one just
+        written nor the best by the recorded metric."""
         if not self.save_total_limit:
             return
-        committed = [p for _, p in list_checkpoints(self.root) if (p / MANIFEST).is_file()]
-        for old in committed[self.save_total_limit :]:
-            if old != keep:
+        protected = {keep, self.best()}
+        for _, old in self.committed()[self.save_total_limit :]:
+            if old not in protected:
                 logger.info("deleting %s (save_total_limit %d)", old.name, self.save_total_limit)
                 self._delete(old)
+
+    def best(self) -> Path | None:
+        """The committed checkpoint with the best recorded metric (the newest among ties)."""
+        scored = []
+        for _, path in self.committed():
+            metric = read_manifest(path).checks.get("metric")
+            if metric is not None:
+                scored.append((metric["value"], path))
+        if not scored:
+            return None
+        pick = max if self.greater_is_better else min
+        return pick(scored, key=lambda item: item[0])[1]
 
     def _delete(self, path: Path) -> None:
         # Rename first so that a half-deleted directory never looks like a checkpoint.

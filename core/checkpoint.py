@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointing.manager import CheckpointManager, Entry
-from checkpointing.manifest import CheckpointError
+from checkpointing.manifest import CheckpointError, read_manifest
 from checkpointing.rng import RNGState, rng_fingerprint
 from checkpointing.stateful import Stateful
 from core.config import Config
@@ -81,6 +81,8 @@ class RunCheckpointer:
         self.trajectory = trajectory
         self.rng = RNGState()
         self.last_saved_step: int | None = None
+        self.last_eval: tuple[int, dict[str, float]] | None = None
+        """(step, metrics) of the latest evaluation; a save at that step records the metric."""
         self.extra_state: Callable[[], dict[str, Stateful]] = dict
         """More global entries (callbacks with state), asked for at every save and load."""
         self._pending_rng_check: str | None = None
@@ -109,6 +111,19 @@ class RunCheckpointer:
             "next_sample_ids": self.sampler.upcoming(global_batch),
         }
 
+    def _metric(self) -> dict[str, Any] | None:
+        """The best_metric of an evaluation at this very step, for retention by metric."""
+        name = self.config.checkpoint.best_metric
+        if name is None or self.last_eval is None or self.last_eval[0] != self.state.global_step:
+            return None
+        metrics = self.last_eval[1]
+        if name not in metrics:
+            raise CheckpointError(
+                f"checkpoint.best_metric: {name!r} is not among the evaluation metrics "
+                f"({', '.join(sorted(metrics))})"
+            )
+        return {"name": name, "value": metrics[name]}
+
     # -- save ----------------------------------------------------------------------------------
     def save(self) -> Path:
         entries = self.entries()
@@ -118,7 +133,7 @@ class RunCheckpointer:
             entries,
             self.trajectory,
             fingerprint(self.trajectory),
-            checks=self._checks(),
+            checks={**self._checks(), "metric": self._metric()},
             rank_checks={"rng": rng_fp},
         )
         self.last_saved_step = self.state.global_step
@@ -156,6 +171,20 @@ class RunCheckpointer:
             self.state.global_step,
             self.sampler.epoch,
             self.sampler.position,
+        )
+
+    def load_best_model(self) -> None:
+        """Load the model weights of the checkpoint with the best recorded metric."""
+        best = self.manager.best()
+        if best is None:
+            logger.warning(
+                "load_best_model_at_end: no checkpoint recorded %s; keeping the final weights",
+                self.config.checkpoint.best_metric,
+            )
+            return
+        self.manager.load(best, read_manifest(best), {"model": Entry(self.engine.model)})
+        logger.info(
+            "loaded the best model (%s) from %s", self.config.checkpoint.best_metric, best.name
         )
 
     def check_rng(self) -> None:

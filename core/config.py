@@ -237,9 +237,15 @@ class EvalConfig:
     """With strategy steps: evaluate every this many optimizer steps (0: train.logging_steps)."""
     per_device_batch_size: int | None = None
     """Eval micro-batch per rank (default: train.per_device_batch_size)."""
+    source: str = "holdout"
+    """holdout (the last eval.holdout_samples of the training data, which training then skips)
+    or a file path / glob read with the data section's settings."""
+    holdout_samples: int = 256
+    """With source holdout: samples held out for evaluation."""
 
     def __post_init__(self) -> None:
         _one_of(self.strategy, "eval.strategy", ("no", "steps", "epoch"))
+        _check(self.holdout_samples > 0, "eval.holdout_samples", "must be > 0")
         _check(self.steps >= 0, "eval.steps", "must be >= 0")
         if self.per_device_batch_size is not None:
             _check(self.per_device_batch_size > 0, "eval.per_device_batch_size", "must be > 0")

@@ -69,6 +69,7 @@ class TrainLoop:
         state: TrainState | None = None,
         checkpointer: RunCheckpointer | None = None,
         stop_requested: Callable[[], bool] | None = None,
+        evaluator: Callable[[], dict[str, float] | None] | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -82,6 +83,7 @@ class TrainLoop:
         self.control = TrainerControl()
         self.checkpointer = checkpointer
         self.stop_requested = stop_requested
+        self.evaluator = evaluator
         self.preempted = False
         """True when training stopped on a stop request (a signal) and checkpointed."""
         self.callbacks = CallbackHandler(callbacks or [])
@@ -104,6 +106,8 @@ class TrainLoop:
             self._train_epoch()
         if self.checkpointer is not None and self.checkpointer.last_saved_step != state.global_step:
             self._save()  # the final checkpoint
+        if self.checkpointer is not None and self.config.checkpoint.load_best_model_at_end:
+            self.checkpointer.load_best_model()
         self._fire("on_train_end")
         return state
 
@@ -137,23 +141,59 @@ class TrainLoop:
                 break
 
     def _after_step(self) -> bool:
-        """Agree across ranks on stop/save requests, checkpoint when due; True to stop."""
+        """Agree across ranks on stop/save/eval requests, evaluate and checkpoint when due;
+        True to stop."""
         control, step = self.control, self.state.global_step
         signalled = self.stop_requested is not None and self.stop_requested()
-        # One collective, so every rank stops and saves at the same step.
-        signalled, stop, save = any_rank(
-            [signalled, control.should_training_stop, control.should_save]
+        # One collective, so every rank stops, evaluates and saves at the same step.
+        signalled, stop, save, evaluate = any_rank(
+            [signalled, control.should_training_stop, control.should_save, control.should_evaluate]
         )
+        if not signalled and (evaluate or self._eval_due()):
+            signalled = self.evaluate() is None  # None: a stop request arrived mid-evaluation
         save_steps = self.config.checkpoint.save_steps
         due = bool(save_steps) and step % save_steps == 0
         if signalled:
             logger.warning("stop requested: checkpointing at step %d", step)
             self.preempted = True
-        control.should_training_stop = stop or signalled
+        control.should_training_stop = stop or signalled or control.should_training_stop
         if self.checkpointer is not None and (due or save or signalled):
             self._save()
-        control.should_save = False
+        control.reset_step()
         return control.should_training_stop
+
+    def _eval_due(self) -> bool:
+        ec = self.config.eval
+        if self.evaluator is None or ec.strategy == "no":
+            return False
+        if ec.strategy == "epoch":
+            return self.sampler.position == 0  # the step just finished an epoch
+        return self.state.global_step % (ec.steps or self.config.train.logging_steps) == 0
+
+    def evaluate(self) -> dict[str, float] | None:
+        """Evaluate now (every rank); log and report the metrics. None if a stop request
+        interrupted the evaluation."""
+        if self.evaluator is None:
+            raise ValueError("no evaluation dataset: pass eval_dataset or set eval.strategy")
+        metrics = self.evaluator()
+        if metrics is None:
+            return None
+        step = self.state.global_step
+        record = {
+            "step": step,
+            "epoch": self.state.epoch + self.sampler.position / self.sampler.total_size,
+            **metrics,
+        }
+        self.state.log_history.append(record)
+        self.engine.schedule.observe(metrics[self._metric_name()])
+        if self.checkpointer is not None:
+            self.checkpointer.last_eval = (step, metrics)
+        self._fire("on_log", logs=record)
+        self._fire("on_evaluate", metrics=metrics)
+        return metrics
+
+    def _metric_name(self) -> str:
+        return self.config.checkpoint.best_metric or "eval_loss"
 
     def _save(self) -> None:
         assert self.checkpointer is not None
@@ -231,7 +271,8 @@ class TrainLoop:
             logs["tokens"] = state.tokens_seen
         if grad_norm is not None:
             logs["grad_norm"] = grad_norm.item()
-        self.engine.schedule.observe(loss)
+        if self.evaluator is None or self.config.eval.strategy == "no":
+            self.engine.schedule.observe(loss)  # with evaluation, the eval metric is observed
         state.log_history.append(logs)
         self._fire("on_log", logs=logs)
 

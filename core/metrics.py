@@ -82,7 +82,10 @@ class Progress(TrainerCallback):
     def on_log(
         self, config: Config, state: TrainState, control: TrainerControl, logs: dict[str, Any]
     ) -> None:
-        if self._bar is not None:
+        if "loss" not in logs:  # an evaluation record
+            evals = " ".join(f"{k} {v:.4g}" for k, v in logs.items() if k.startswith("eval_"))
+            logger.info("step %d/%d %s", logs["step"], self.total_steps, evals)
+        elif self._bar is not None:
             self._bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}", refresh=False)
         else:
             logger.info(

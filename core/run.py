@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -12,6 +13,7 @@ import datasets
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import Subset
 
 from checkpointing.comm import control_group
 from checkpointing.manager import CheckpointManager
@@ -21,6 +23,7 @@ from core.columns import default_label_names, remove_unused_columns
 from core.config import Config, ConfigError
 from core.data import build_dataset, collate, dataset_fingerprint, sample_lengths
 from core.engines.ddp import DDPEngine
+from core.evaluation import evaluate
 from core.loop import DistInfo, TrainLoop, plan_steps
 from core.losses import LabelSmoother, compute_loss
 from core.metrics import JsonlMetrics, Progress
@@ -60,6 +63,28 @@ def _dataset_facts(dataset: Any) -> tuple[np.ndarray | None, str]:
     return None, f"{type(dataset).__qualname__}:{len(dataset)}"
 
 
+def greater_is_better(config: Config) -> bool:
+    """checkpoint.greater_is_better, defaulting to false for metrics named ...loss."""
+    cc = config.checkpoint
+    if cc.greater_is_better is not None:
+        return cc.greater_is_better
+    return not (cc.best_metric or "eval_loss").endswith("loss")
+
+
+def _eval_split(config: Config, dataset: Any, eval_dataset: Any) -> tuple[Any, Any]:
+    """(training data, evaluation data or None) as the eval section asks."""
+    if eval_dataset is not None or config.eval.strategy == "no":
+        return dataset, eval_dataset
+    if config.eval.source != "holdout":
+        return dataset, build_dataset(dataclasses.replace(config.data, source=config.eval.source))
+    n, held = len(dataset), config.eval.holdout_samples
+    if held >= n:
+        raise ConfigError(f"eval.holdout_samples: {held} leaves no training data of {n} samples")
+    if isinstance(dataset, datasets.Dataset):
+        return dataset.select(range(n - held)), dataset.select(range(n - held, n))
+    return Subset(dataset, range(n - held)), Subset(dataset, range(n - held, n))
+
+
 def _build_optimizer(
     model: nn.Module, config: Config, parts: UserParts, device: torch.device
 ) -> torch.optim.Optimizer:
@@ -87,6 +112,7 @@ def build_trainer(
         set_seed(config.run.seed)
 
     dataset = parts.train_dataset if parts.train_dataset is not None else build_dataset(config.data)
+    dataset, eval_dataset = _eval_split(config, dataset, parts.eval_dataset)
     lengths, data_fp = _dataset_facts(dataset)
     try:
         sampler = ResumableDistributedSampler(
@@ -111,6 +137,28 @@ def build_trainer(
     model = model.to(device)
     label_names = config.data.label_names or default_label_names(model)
     dataset = remove_unused_columns(dataset, model, label_names, config.data.remove_unused_columns)
+    evaluator = None
+    if eval_dataset is not None:
+        eval_dataset = remove_unused_columns(
+            eval_dataset, model, label_names, config.data.remove_unused_columns
+        )
+        evaluator = functools.partial(
+            evaluate,
+            model,
+            eval_dataset,
+            parts.data_collator or collate,
+            config.eval.per_device_batch_size or config.train.per_device_batch_size,
+            rank=dist_info.rank,
+            world_size=dist_info.world_size,
+            device=device,
+            compute_metrics=parts.compute_metrics,
+            preprocess_logits_for_metrics=parts.preprocess_logits_for_metrics,
+            label_names=label_names or ["labels"],
+            bf16=config.train.bf16,
+            num_workers=config.data.num_workers,
+            seed=config.run.seed,
+            should_stop=stop_requested,
+        )
     loss_fn = call_model
     if config.train.label_smoothing_factor > 0:
         loss_fn = functools.partial(
@@ -157,6 +205,7 @@ def build_trainer(
         save_total_limit=config.checkpoint.save_total_limit,
         engine=config.engine.name,
         group=control_group(),
+        greater_is_better=greater_is_better(config),
     )
     checkpointer = RunCheckpointer(
         config,
@@ -184,4 +233,5 @@ def build_trainer(
         state=state,
         checkpointer=checkpointer,
         stop_requested=stop_requested,
+        evaluator=evaluator,
     )

@@ -75,7 +75,7 @@ def test_public_cli_surface_is_pinned():
             "auto_find_batch_size",
             "label_smoothing_factor",
         ],
-        "eval": ["strategy", "steps", "per_device_batch_size"],
+        "eval": ["strategy", "steps", "per_device_batch_size", "source", "holdout_samples"],
         "optim": ["name", "lr", "weight_decay", "beta1", "beta2", "eps", "momentum"],
         "scheduler": ["name", "warmup_steps", "warmup_ratio", "kwargs"],
         "checkpoint": [
