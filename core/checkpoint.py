@@ -53,6 +53,11 @@ def trajectory(config: Config, world_size: int, dataset_fp: str, total_steps: in
         for key, value in fields.items()
         if f"{section}.{key}" not in NEUTRAL_FIELDS
     }
+    if config.train.auto_find_batch_size:
+        # The search may lower the micro-batch; what must not change is their product.
+        tc = config.train
+        del flat["train.per_device_batch_size"], flat["train.gradient_accumulation_steps"]
+        flat["train.samples_per_step"] = tc.per_device_batch_size * tc.gradient_accumulation_steps
     flat.update({"world_size": world_size, "dataset": dataset_fp, "total_steps": total_steps})
     return flat
 

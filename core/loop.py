@@ -97,6 +97,9 @@ class TrainLoop:
         state, control = self.state, self.control
         if self.checkpointer is not None:
             self.checkpointer.prepare()  # resume (or not) before anything reads the state
+        self.start_step = state.global_step
+        state.per_device_batch_size = self.config.train.per_device_batch_size
+        state.gradient_accumulation_steps = self.config.train.gradient_accumulation_steps
         self.engine.train()
         self._fire("on_train_begin")
         self._last_log = (time.perf_counter(), state.global_step)

@@ -19,6 +19,10 @@ class TrainState:
     """Tokens (non-padding) consumed by all ranks together."""
     log_history: list[dict[str, Any]] = field(default_factory=list)
     """Every logged metrics record, in order."""
+    per_device_batch_size: int | None = None
+    """The micro-batch this run trains with (auto_find_batch_size may have lowered it)."""
+    gradient_accumulation_steps: int | None = None
+    """The accumulation that goes with it."""
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -21,10 +21,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from checkpointing.comm import control_group
+from checkpointing.manager import CheckpointManager
+from checkpointing.serialize import load_state
+from core.autobatch import SEARCH_STEPS, halved, is_oom, release_memory, with_batch
 from core.callbacks import TrainerCallback
 from core.config import Config, dump_config, load_config
 from core.loop import DistInfo, TrainLoop
 from core.run import UserParts, build_trainer
+from core.state import TrainState
 
 
 @dataclass
@@ -110,6 +115,20 @@ class Trainer:
             ),
         )
         t0 = time.perf_counter()
+        if config.train.auto_find_batch_size:
+            state = self._train_searching_batch(config)
+        else:
+            state = self._train_once(config)
+        self.model = self.loop.engine.model
+        losses = [h["loss"] for h in state.log_history if "loss" in h]
+        runtime = time.perf_counter() - t0
+        steps = state.global_step - self.loop.start_step
+        metrics = {"train_runtime": runtime, "train_steps_per_second": steps / runtime}
+        return TrainOutput(
+            state.global_step, statistics.fmean(losses) if losses else float("nan"), metrics
+        )
+
+    def _train_once(self, config: Config) -> TrainState:
         self.loop = build_trainer(
             config,
             self.dist_info,
@@ -122,16 +141,48 @@ class Trainer:
             out = Path(config.run.output_dir)
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.yaml").write_text(dump_config(config))
-        start_step = self.loop.state.global_step
-        state = self.loop.train()
-        self.model = self.loop.engine.model
-        losses = [h["loss"] for h in state.log_history if "loss" in h]
-        runtime = time.perf_counter() - t0
-        steps = state.global_step - start_step
-        metrics = {"train_runtime": runtime, "train_steps_per_second": steps / runtime}
-        return TrainOutput(
-            state.global_step, statistics.fmean(losses) if losses else float("nan"), metrics
+        return self.loop.train()
+
+    def _train_searching_batch(self, config: Config) -> TrainState:
+        """auto_find_batch_size: start at the size a resumed checkpoint recorded, else search
+        down from the configured one while out-of-memory errors come in the first steps."""
+        recorded = self._recorded_batch(config)
+        if recorded is not None:
+            config = with_batch(config, *recorded)
+        # A model object (not model_init) keeps the weights a failed attempt stepped.
+        initial = None
+        if self.parts.model is not None:
+            initial = {k: v.detach().clone() for k, v in self.parts.model.state_dict().items()}
+        while True:
+            try:
+                return self._train_once(config)
+            except Exception as e:
+                if (
+                    not is_oom(e)
+                    or self.loop is None
+                    or (self.loop.state.global_step - self.loop.start_step > SEARCH_STEPS)
+                ):
+                    raise
+                self.loop = None
+                release_memory()
+                config = halved(config)
+                if initial is not None:
+                    self.parts.model.load_state_dict(initial)
+
+    def _recorded_batch(self, config: Config) -> tuple[int, int] | None:
+        manager = CheckpointManager(
+            config.run.output_dir,
+            self.dist_info.rank,
+            self.dist_info.world_size,
+            group=control_group(),
         )
+        found = manager.resolve(config.checkpoint.resume_from)
+        if found is None:
+            return None
+        state = load_state(found[0], "train_state")
+        if state.get("per_device_batch_size") is None:
+            return None
+        return state["per_device_batch_size"], state["gradient_accumulation_steps"]
 
     @property
     def preempted(self) -> bool:
