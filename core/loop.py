@@ -23,6 +23,7 @@ from core.checkpoint import RunCheckpointer
 from core.config import Config
 from core.engines.base import Engine
 from core.loader import make_dataloader
+from core.memory import StageMemory, speed_metrics, tiny_gpt_flops
 from core.sampler import ResumableDistributedSampler
 from core.state import TrainState
 
@@ -70,6 +71,7 @@ class TrainLoop:
         checkpointer: RunCheckpointer | None = None,
         stop_requested: Callable[[], bool] | None = None,
         evaluator: Callable[[], dict[str, float] | None] | None = None,
+        memory: StageMemory | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -84,6 +86,9 @@ class TrainLoop:
         self.checkpointer = checkpointer
         self.stop_requested = stop_requested
         self.evaluator = evaluator
+        self.memory = memory or StageMemory(engine.device)
+        self.summary: dict[str, float] = {}
+        """Speed, memory and FLOPs of the last train(), also the last line of metrics.jsonl."""
         self.preempted = False
         """True when training stopped on a stop request (a signal) and checkpointed."""
         self.callbacks = CallbackHandler(callbacks or [])
@@ -100,19 +105,44 @@ class TrainLoop:
         self.start_step = state.global_step
         state.per_device_batch_size = self.config.train.per_device_batch_size
         state.gradient_accumulation_steps = self.config.train.gradient_accumulation_steps
+        start = (time.perf_counter(), state.samples_seen, state.tokens_seen)
         self.engine.train()
         self._fire("on_train_begin")
         self._last_log = (time.perf_counter(), state.global_step)
         if self.sampler.epoch != state.epoch:
             self.sampler.set_epoch(state.epoch)
-        while state.global_step < self.total_steps and not control.should_training_stop:
-            self._train_epoch()
+        with self.memory.stage("train"):
+            while state.global_step < self.total_steps and not control.should_training_stop:
+                self._train_epoch()
         if self.checkpointer is not None and self.checkpointer.last_saved_step != state.global_step:
             self._save()  # the final checkpoint
         if self.checkpointer is not None and self.config.checkpoint.load_best_model_at_end:
             self.checkpointer.load_best_model()
+        self._summarise(*start)
         self._fire("on_train_end")
         return state
+
+    def _summarise(self, t0: float, samples0: int, tokens0: int) -> None:
+        state = self.state
+        tokens = state.tokens_seen - tokens0 if self.lengths is not None else None
+        self.summary = {
+            **speed_metrics(
+                "train",
+                t0,
+                state.samples_seen - samples0,
+                state.global_step - self.start_step,
+                tokens,
+            ),
+            **self.memory.metrics(),
+        }
+        m = self.config.model
+        if m.name == "tiny-gpt" and self.lengths is not None:
+            model = self.engine.model
+            n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+            self.summary["total_flos"] = tiny_gpt_flops(
+                n_params, m.n_layer, m.n_embd, self.config.data.seq_len, state.tokens_seen
+            )
+        self._fire("on_log", logs={"step": state.global_step, **self.summary})
 
     def _train_epoch(self) -> None:
         """Optimizer steps from the sampler's position to the end of its epoch (or a stop)."""
@@ -178,7 +208,8 @@ class TrainLoop:
         interrupted the evaluation."""
         if self.evaluator is None:
             raise ValueError("no evaluation dataset: pass eval_dataset or set eval.strategy")
-        metrics = self.evaluator()
+        with self.memory.stage("eval"):
+            metrics = self.evaluator()
         if metrics is None:
             return None
         step = self.state.global_step
@@ -200,7 +231,8 @@ class TrainLoop:
 
     def _save(self) -> None:
         assert self.checkpointer is not None
-        path = self.checkpointer.save()
+        with self.memory.stage("save"):
+            path = self.checkpointer.save()
         self._fire("on_save", path=str(path))
 
     def _micro_batch_sizes(self) -> list[int]:

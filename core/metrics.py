@@ -23,10 +23,13 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     """Keep only the records at or before `last_step`, so the file reads as one trajectory."""
     if not path.exists():
         return
+    # A run's closing summary (train_runtime, memory) describes that run alone: drop it too.
     kept = [
         line
         for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= last_step
+        if line.strip()
+        and (rec := json.loads(line))["step"] <= last_step
+        and "train_runtime" not in rec
     ]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))
@@ -82,7 +85,14 @@ class Progress(TrainerCallback):
     def on_log(
         self, config: Config, state: TrainState, control: TrainerControl, logs: dict[str, Any]
     ) -> None:
-        if "loss" not in logs:  # an evaluation record
+        if "train_runtime" in logs:  # the closing summary
+            logger.info(
+                "trained %d steps in %.1f s (%.2f steps/s)",
+                logs["step"],
+                logs["train_runtime"],
+                logs.get("train_steps_per_second", 0.0),
+            )
+        elif "loss" not in logs:  # an evaluation record
             evals = " ".join(f"{k} {v:.4g}" for k, v in logs.items() if k.startswith("eval_"))
             logger.info("step %d/%d %s", logs["step"], self.total_steps, evals)
         elif self._bar is not None:

@@ -121,9 +121,8 @@ class Trainer:
             state = self._train_once(config)
         self.model = self.loop.engine.model
         losses = [h["loss"] for h in state.log_history if "loss" in h]
-        runtime = time.perf_counter() - t0
-        steps = state.global_step - self.loop.start_step
-        metrics = {"train_runtime": runtime, "train_steps_per_second": steps / runtime}
+        metrics = dict(self.loop.summary)
+        metrics["train_runtime_with_setup"] = time.perf_counter() - t0
         return TrainOutput(
             state.global_step, statistics.fmean(losses) if losses else float("nan"), metrics
         )

@@ -111,5 +111,7 @@ def run_launcher(
     return run(launcher_cmd(nproc, args), cwd=tmp.parent, timeout=timeout)
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(run_dir: Path, summary: bool = False) -> list[dict]:
+    """metrics.jsonl records; the closing summary line (train_runtime...) only if asked."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if summary or "train_runtime" not in r]

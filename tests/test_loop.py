@@ -74,13 +74,13 @@ def test_callback_events_and_logs(tmp_path):
             events.append("begin")
 
         def on_log(self, config, state, control, logs):
-            events.append(("log", logs["step"]))
+            events.append(("summary" if "train_runtime" in logs else "log", logs["step"]))
 
         def on_train_end(self, config, state, control):
             events.append("end")
 
     train(tmp_path, "--train.max_steps", "4", "--train.logging_steps", "2", callbacks=[Recorder()])
-    assert events == ["begin", ("log", 2), ("log", 4), "end"]
+    assert events == ["begin", ("log", 2), ("log", 4), ("summary", 4), "end"]
 
 
 def test_dataloader_workers_do_not_change_the_trajectory(tmp_path):
@@ -178,3 +178,20 @@ def test_python_api_with_user_dataset_and_model_init(tmp_path):
     assert first.global_step == second.global_step == 4
     assert first.training_loss == second.training_loss  # model_init reseeded: identical runs
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "checkpoint-4").is_dir()
+
+
+def test_closing_summary_has_speed_memory_and_flops(tmp_path):
+    trainer, _, _ = train(tmp_path, "--train.max_steps", "4")
+    summary = read_metrics(tmp_path, summary=True)[-1]
+    assert summary["step"] == 4
+    for key in (
+        "train_runtime",
+        "train_samples_per_second",
+        "train_steps_per_second",
+        "train_tokens_per_second",
+        "train_mem_cpu_peak_mb",
+        "save_mem_cpu_peak_mb",
+        "total_flos",
+    ):
+        assert summary[key] > 0, key
+    assert trainer.summary == {k: v for k, v in summary.items() if k != "step"}
