@@ -24,6 +24,7 @@ from core.config import Config
 from core.engines.base import Engine
 from core.loader import make_dataloader
 from core.memory import StageMemory, speed_metrics, tiny_gpt_flops
+from core.models.tiny_gpt import TinyGPT
 from core.sampler import ResumableDistributedSampler
 from core.state import TrainState
 
@@ -135,9 +136,8 @@ class TrainLoop:
             ),
             **self.memory.metrics(),
         }
-        m = self.config.model
-        if m.name == "tiny-gpt" and self.lengths is not None:
-            model = self.engine.model
+        m, model = self.config.model, self.engine.model
+        if isinstance(model, TinyGPT) and self.lengths is not None:
             n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
             self.summary["total_flos"] = tiny_gpt_flops(
                 n_params, m.n_layer, m.n_embd, self.config.data.seq_len, state.tokens_seen

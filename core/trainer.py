@@ -183,6 +183,19 @@ class Trainer:
             return None
         return state["per_device_batch_size"], state["gradient_accumulation_steps"]
 
+    def evaluate(self) -> dict[str, float]:
+        """Evaluate the current model on eval_dataset (every rank; the same dict on each)."""
+        if self.loop is None:
+            self.loop = build_trainer(
+                self.args, self.dist_info, self.device, callbacks=self.callbacks, parts=self.parts
+            )
+        if self.loop.evaluator is None:
+            raise ValueError("no evaluation data: pass eval_dataset or set eval.strategy")
+        metrics = self.loop.evaluator()
+        if metrics is None:
+            raise RuntimeError("evaluation interrupted by a stop request")
+        return metrics
+
     @property
     def preempted(self) -> bool:
         """True when the last train() stopped on a stop request and checkpointed."""

@@ -195,3 +195,25 @@ def test_closing_summary_has_speed_memory_and_flops(tmp_path):
     ):
         assert summary[key] > 0, key
     assert trainer.summary == {k: v for k, v in summary.items() if k != "step"}
+
+
+def test_full_determinism_switches_on_deterministic_algorithms(tmp_path):
+    try:
+        config = load_config(
+            None,
+            [
+                *SMALL,
+                "--run.output_dir",
+                str(tmp_path),
+                "--run.full_determinism",
+                "true",
+                "--train.max_steps",
+                "2",
+            ],
+        )
+        build_trainer(config, DistInfo(), torch.device("cpu"))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
