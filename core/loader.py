@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from core.sampler import ResumableDistributedSampler
+from core.stream import StreamPosition
 
 
 def derive_seed(*parts: int) -> int:
@@ -42,7 +43,7 @@ class WorkerSeeder:
 
 def make_dataloader(
     dataset: Dataset[Any],
-    sampler: ResumableDistributedSampler,
+    sampler: ResumableDistributedSampler | StreamPosition,
     collate_fn: Callable[[list[Any]], Any],
     num_workers: int,
     drop_last: bool,
@@ -53,6 +54,16 @@ def make_dataloader(
     """A DataLoader for the sampler's current epoch, starting at its current position."""
     generator = torch.Generator()
     generator.manual_seed(derive_seed(seed, sampler.epoch, rank))
+    if isinstance(sampler, StreamPosition):
+        # One reader per rank: workers would each replay the stream.
+        return DataLoader(
+            sampler.shard(dataset),
+            batch_size=sampler.batch_size,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+            pin_memory=pin_memory,
+            generator=generator,
+        )
     return DataLoader(
         dataset,
         batch_size=sampler.batch_size,

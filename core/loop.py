@@ -27,6 +27,7 @@ from core.memory import StageMemory, speed_metrics, tiny_gpt_flops
 from core.models.tiny_gpt import TinyGPT
 from core.sampler import ResumableDistributedSampler
 from core.state import TrainState
+from core.stream import ENDLESS
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class TrainLoop:
 
     def _train_epoch(self) -> None:
         """Optimizer steps from the sampler's position to the end of its epoch (or a stop)."""
-        state, tc = self.state, self.config.train
+        state = self.state
         self.control.reset_epoch()
         self._fire("on_epoch_begin")
         loader = make_dataloader(
@@ -159,19 +160,30 @@ class TrainLoop:
             self.dist.rank,
             pin_memory=self.engine.device.type == "cuda",
         )
-        sizes = self._micro_batch_sizes()
         order = self.sampler.epoch_order()
         batches = iter(loader)
-        while sizes and state.global_step < self.total_steps:
-            n = min(tc.gradient_accumulation_steps, len(sizes))
-            step_sizes, sizes = sizes[:n], sizes[n:]
+        for step_sizes in self._steps_left_in_epoch():
+            if state.global_step >= self.total_steps:
+                break
             epoch = state.epoch
-            self._train_step(batches, step_sizes, order)
+            try:
+                self._train_step(batches, step_sizes, order)
+            except StopIteration:  # an iterable dataset ran out: its epoch ends here
+                self._end_stream_epoch()
+                return
             self._fire("on_step_end")
             if state.epoch != epoch:
                 self._fire("on_epoch_end")
             if self._after_step():
                 break
+
+    def _end_stream_epoch(self) -> None:
+        # Every rank runs out at the same micro-batch (the stream is dealt in whole groups),
+        # so all drop the same partial step's gradients.
+        self.engine.optimizer.zero_grad(set_to_none=True)
+        self.state.epoch += 1
+        self.sampler.set_epoch(self.state.epoch)
+        self._fire("on_epoch_end")
 
     def _after_step(self) -> bool:
         """Agree across ranks on stop/save/eval requests, evaluate and checkpoint when due;
@@ -215,7 +227,7 @@ class TrainLoop:
         step = self.state.global_step
         record = {
             "step": step,
-            "epoch": self.state.epoch + self.sampler.position / self.sampler.total_size,
+            "epoch": self._epoch_progress(),
             **metrics,
         }
         self.state.log_history.append(record)
@@ -226,6 +238,12 @@ class TrainLoop:
         self._fire("on_evaluate", metrics=metrics)
         return metrics
 
+    def _epoch_progress(self) -> float:
+        """Epoch plus the fraction of it consumed (a stream's length is unknown: no fraction)."""
+        if self.sampler.total_size >= ENDLESS:
+            return float(self.state.epoch)
+        return self.state.epoch + self.sampler.position / self.sampler.total_size
+
     def _metric_name(self) -> str:
         return self.config.checkpoint.best_metric or "eval_loss"
 
@@ -235,13 +253,17 @@ class TrainLoop:
             path = self.checkpointer.save()
         self._fire("on_save", path=str(path))
 
-    def _micro_batch_sizes(self) -> list[int]:
-        """Per-rank sizes of the micro-batches left in the epoch, as the DataLoader yields them."""
+    def _steps_left_in_epoch(self) -> Iterator[list[int]]:
+        """Per-rank micro-batch sizes of each optimizer step left in the epoch, as the
+        DataLoader yields them (lazily: a stream's epoch has no known end)."""
         remaining, b = len(self.sampler), self.sampler.batch_size
-        sizes = [b] * (remaining // b)
-        if remaining % b and not self.config.data.drop_last:
-            sizes.append(remaining % b)
-        return sizes
+        full, rest = divmod(remaining, b)
+        count = full + (1 if rest and not self.config.data.drop_last else 0)
+        accum, done = self.config.train.gradient_accumulation_steps, 0
+        while done < count:
+            n = min(accum, count - done)
+            yield [b if done + k < full else rest for k in range(n)]
+            done += n
 
     def _train_step(self, batches: Iterator[Any], sizes: list[int], order: np.ndarray) -> None:
         state, engine = self.state, self.engine
@@ -298,7 +320,7 @@ class TrainLoop:
             "step": state.global_step,
             "loss": loss,
             "lr": lr,
-            "epoch": state.epoch + self.sampler.position / self.sampler.total_size,  # fraction
+            "epoch": self._epoch_progress(),
             "samples": state.samples_seen,
             "step_time_s": (now - t0) / max(1, state.global_step - s0),
         }

@@ -33,6 +33,7 @@ from core.sampler import ResumableDistributedSampler
 from core.schedules import Schedule, build_schedule
 from core.seeding import enable_full_determinism, set_seed
 from core.state import TrainState
+from core.stream import StreamPosition, is_stream
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,40 @@ class UserParts:
     preprocess_logits_for_metrics: Callable[..., Any] | None = None
 
 
+def _make_sampler(
+    config: Config, dataset: Any, lengths: np.ndarray | None, dist_info: DistInfo
+) -> ResumableDistributedSampler | StreamPosition:
+    tc = config.train
+    if is_stream(dataset):
+        for ok, key, why in (
+            (tc.max_steps is not None, "train.max_steps", "an iterable dataset has no length"),
+            (config.data.num_workers == 0, "data.num_workers", "must be 0 for an iterable dataset"),
+            (not config.data.group_by_length, "data.group_by_length", "needs a map-style dataset"),
+        ):
+            if not ok:
+                raise ConfigError(f"{key}: {why}")
+        return StreamPosition(
+            dist_info.world_size, dist_info.rank, tc.per_device_batch_size, config.run.seed
+        )
+    try:
+        return ResumableDistributedSampler(
+            num_samples=len(dataset),
+            num_replicas=dist_info.world_size,
+            rank=dist_info.rank,
+            batch_size=tc.per_device_batch_size,
+            seed=config.run.seed,
+            drop_last=config.data.drop_last,
+            lengths=lengths if config.data.group_by_length else None,
+        )
+    except ValueError as e:
+        raise ConfigError(f"train.per_device_batch_size: {e}") from e
+
+
 def _dataset_facts(dataset: Any) -> tuple[np.ndarray | None, str]:
     """(per-sample token counts or None, content fingerprint) of a training dataset."""
+    if is_stream(dataset):
+        # A stream cannot be hashed without reading it all; its type stands in.
+        return None, f"stream:{type(dataset).__qualname__}"
     if isinstance(dataset, datasets.Dataset) and "input_ids" in dataset.column_names:
         return np.asarray(sample_lengths(dataset)), dataset_fingerprint(dataset)
     if isinstance(dataset, datasets.Dataset):
@@ -77,6 +110,11 @@ def _eval_split(config: Config, dataset: Any, eval_dataset: Any) -> tuple[Any, A
         return dataset, eval_dataset
     if config.eval.source != "holdout":
         return dataset, build_dataset(dataclasses.replace(config.data, source=config.eval.source))
+    if is_stream(dataset):
+        raise ConfigError(
+            "eval.source: holdout needs a map-style training dataset; pass "
+            "eval_dataset or set eval.source to a file"
+        )
     n, held = len(dataset), config.eval.holdout_samples
     if held >= n:
         raise ConfigError(f"eval.holdout_samples: {held} leaves no training data of {n} samples")
@@ -114,19 +152,14 @@ def build_trainer(
     dataset = parts.train_dataset if parts.train_dataset is not None else build_dataset(config.data)
     dataset, eval_dataset = _eval_split(config, dataset, parts.eval_dataset)
     lengths, data_fp = _dataset_facts(dataset)
-    try:
-        sampler = ResumableDistributedSampler(
-            num_samples=len(dataset),
-            num_replicas=dist_info.world_size,
-            rank=dist_info.rank,
-            batch_size=config.train.per_device_batch_size,
-            seed=config.run.seed,
-            drop_last=config.data.drop_last,
-            lengths=lengths if config.data.group_by_length else None,
-        )
-        _, total_steps = plan_steps(config, sampler)
-    except ValueError as e:
-        raise ConfigError(f"train.per_device_batch_size: {e}") from e
+    sampler = _make_sampler(config, dataset, lengths, dist_info)
+    if isinstance(sampler, StreamPosition):
+        total_steps = config.train.max_steps  # checked by _make_sampler
+    else:
+        try:
+            _, total_steps = plan_steps(config, sampler)
+        except ValueError as e:
+            raise ConfigError(f"train.per_device_batch_size: {e}") from e
 
     if parts.model_init is not None:
         model = parts.model_init()  # after seeding, so every train() gets the same init
@@ -138,6 +171,12 @@ def build_trainer(
     label_names = config.data.label_names or default_label_names(model)
     dataset = remove_unused_columns(dataset, model, label_names, config.data.remove_unused_columns)
     evaluator = None
+    if eval_dataset is not None and is_stream(eval_dataset):
+        # Exactly-once distributed evaluation shards by sample index.
+        raise ConfigError(
+            "eval_dataset: needs a map-style dataset (datasets.Dataset or a torch "
+            "Dataset with __getitem__), not an iterable one"
+        )
     if eval_dataset is not None:
         eval_dataset = remove_unused_columns(
             eval_dataset, model, label_names, config.data.remove_unused_columns
@@ -189,10 +228,10 @@ def build_trainer(
     n_params = sum(p.numel() for p in model.parameters())
     if dist_info.is_main:
         logger.info(
-            "model %s: %.2fM parameters; %d samples, %d steps on %d rank(s), device %s",
+            "model %s: %.2fM parameters; %s samples, %d steps on %d rank(s), device %s",
             type(model).__name__,
             n_params / 1e6,
-            len(dataset),
+            "streamed" if is_stream(dataset) else len(dataset),
             total_steps,
             dist_info.world_size,
             device,
