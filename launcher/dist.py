@@ -28,6 +28,27 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with a key prefix per torchrun restart attempt.
+
+    torchrun --standalone keeps one agent store across restarts, and gloo finds its peers under
+    keys that restart from the same names in every new process: without the prefix, a restarted
+    worker can read a dead peer's address from the previous attempt and time out connecting
+    (seen here: `connectFullMesh ... Connection refused`, 1 run in 3).
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=world_size,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"launcher/attempt-{attempt}", store)
+
+
 def init_distributed(cfg: EngineConfig, timeout_s: float = 1800.0) -> DistContext:
     """Read RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun), pick the device, init the group.
 
@@ -47,11 +68,13 @@ def init_distributed(cfg: EngineConfig, timeout_s: float = 1800.0) -> DistContex
     backend = None
     if "WORLD_SIZE" in os.environ:
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
+            store=_attempt_store(rank, world_size, timeout),
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if backend == "nccl" else None,
         )
     return DistContext(DistInfo(rank, world_size, local_rank), device, backend)

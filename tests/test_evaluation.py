@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 
 import numpy as np
@@ -21,7 +20,7 @@ from core.evaluation import evaluate
 from core.loop import DistInfo
 from core.run import build_trainer
 from tests.eval_worker import argmax_logits, make_dataset, make_model, next_token_metrics
-from tests.launch import BIN, REPO, SMALL, child_env, kill_tree, read_metrics
+from tests.launch import BIN, REPO, SMALL, read_metrics, run
 
 CPU = torch.device("cpu")
 
@@ -199,21 +198,8 @@ def test_classifier_loss_per_sample_ignores_unlabelled():
 
 def run_worker(cmd: list[str], cwd, timeout: float = 120) -> dict:
     out = cwd / "metrics.json"
-    proc = subprocess.Popen(
-        [*cmd, str(REPO / "tests" / "eval_worker.py"), str(out)],
-        cwd=cwd,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    assert proc.returncode == 0, output
+    result = run([*cmd, str(REPO / "tests" / "eval_worker.py"), str(out)], cwd, timeout)
+    assert result.returncode == 0, result.output
     return json.loads(out.read_text())
 
 
