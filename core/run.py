@@ -26,6 +26,7 @@ from core.engines.ddp import DDPEngine
 from core.evaluation import evaluate
 from core.loop import DistInfo, TrainLoop, plan_steps
 from core.losses import LabelSmoother, compute_loss
+from core.memory import StageMemory
 from core.metrics import JsonlMetrics, Progress
 from core.models import build_model, call_model
 from core.optim import build_optimizer, parameter_groups
@@ -141,6 +142,7 @@ def build_trainer(
     callbacks: list[TrainerCallback] | None = None,
     stop_requested: Callable[[], bool] | None = None,
     parts: UserParts | None = None,
+    memory: StageMemory | None = None,
 ) -> TrainLoop:
     """Everything a run needs, built in a fixed order so that seeding decides all of it."""
     parts = parts or UserParts()
@@ -273,4 +275,5 @@ def build_trainer(
         checkpointer=checkpointer,
         stop_requested=stop_requested,
         evaluator=evaluator,
+        memory=memory,
     )

@@ -28,6 +28,7 @@ from core.autobatch import SEARCH_STEPS, halved, is_oom, release_memory, with_ba
 from core.callbacks import TrainerCallback
 from core.config import Config, dump_config, load_config
 from core.loop import DistInfo, TrainLoop
+from core.memory import StageMemory
 from core.run import UserParts, build_trainer
 from core.state import TrainState
 
@@ -128,14 +129,17 @@ class Trainer:
         )
 
     def _train_once(self, config: Config) -> TrainState:
-        self.loop = build_trainer(
-            config,
-            self.dist_info,
-            self.device,
-            callbacks=self.callbacks,
-            stop_requested=self.stop_requested,
-            parts=self.parts,
-        )
+        memory = StageMemory(self.device)
+        with memory.stage("init"):
+            self.loop = build_trainer(
+                config,
+                self.dist_info,
+                self.device,
+                callbacks=self.callbacks,
+                stop_requested=self.stop_requested,
+                parts=self.parts,
+                memory=memory,
+            )
         if self.dist_info.is_main:  # only once everything was built: bad input writes nothing
             out = Path(config.run.output_dir)
             out.mkdir(parents=True, exist_ok=True)

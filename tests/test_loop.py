@@ -183,6 +183,7 @@ def test_python_api_with_user_dataset_and_model_init(tmp_path):
 def test_closing_summary_has_speed_memory_and_flops(tmp_path):
     trainer, _, _ = train(tmp_path, "--train.max_steps", "4")
     summary = read_metrics(tmp_path, summary=True)[-1]
+    assert "init_mem_cpu_peak_mb" not in summary  # build_trainer alone has no init stage
     assert summary["step"] == 4
     for key in (
         "train_runtime",
@@ -195,6 +196,28 @@ def test_closing_summary_has_speed_memory_and_flops(tmp_path):
     ):
         assert summary[key] > 0, key
     assert trainer.summary == {k: v for k, v in summary.items() if k != "step"}
+
+
+def test_python_api_reports_every_stage(tmp_path):
+    from core.trainer import Trainer
+
+    config = load_config(
+        None,
+        [
+            *SMALL,
+            "--run.output_dir",
+            str(tmp_path),
+            "--train.max_steps",
+            "4",
+            "--eval.strategy",
+            "steps",
+            "--eval.steps",
+            "2",
+        ],
+    )
+    metrics = Trainer(args=config).train().metrics
+    for stage in ("init", "train", "eval", "save"):
+        assert metrics[f"{stage}_mem_cpu_peak_mb"] > 0, stage
 
 
 def test_full_determinism_switches_on_deterministic_algorithms(tmp_path):
