@@ -1,4 +1,5 @@
-"""Typed run configuration: dataclass sections from YAML, overridden by `--section.key` flags.
+"""Typed run configuration: the sections of core/config_sections.py, loaded from YAML and
+overridden by `--section.key VALUE` flags.
 
 Precedence is CLI > file > defaults. Unknown keys, wrong types and out-of-range values raise
 `ConfigError` with one line naming the key and what is accepted.
@@ -9,328 +10,53 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "adafactor")
-SCHEDULERS = (
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-    "constant",
-    "constant_with_warmup",
-    "inverse_sqrt",
-    "reduce_lr_on_plateau",
+from core.config_sections import (
+    DATA_FORMATS,
+    ENGINES,
+    OPTIMIZERS,
+    SCHEDULERS,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    EngineConfig,
+    EvalConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    SchedulerConfig,
+    TrainConfig,
+    _check,
 )
-ENGINES = ("ddp",)
-DATA_FORMATS = ("auto", "text", "json", "parquet")
 
-
-class ConfigError(ValueError):
-    """A configuration a user wrote is invalid; the message is one line naming the key."""
-
-
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
-
-
-def _one_of(value: str, key: str, accepted: tuple[str, ...]) -> None:
-    _check(value in accepted, key, f"unknown value {value!r}; accepted: {', '.join(accepted)}")
-
-
-@dataclass
-class RunConfig:
-    output_dir: str = "runs/tiny"
-    """Directory for config.yaml, metrics.jsonl and checkpoints."""
-    seed: int = 42
-    """Seed for Python, NumPy, torch, the sampler shuffle and DataLoader workers."""
-    full_determinism: bool = False
-    """Use deterministic algorithms only (torch.use_deterministic_algorithms, cuDNN flags)."""
-    overwrite: bool = False
-    """Allow a fresh run (resume_from: none) to write into an output_dir that holds checkpoints."""
-    log_level: str = "info"
-    """Logging level: debug, info, warning, error."""
-
-    def __post_init__(self) -> None:
-        _check(bool(self.output_dir), "run.output_dir", "must be a non-empty path")
-        _check(self.seed >= 0, "run.seed", f"must be >= 0, got {self.seed}")
-        _one_of(self.log_level, "run.log_level", ("debug", "info", "warning", "error"))
-
-
-@dataclass
-class ModelConfig:
-    name: str = "tiny-gpt"
-    """'tiny-gpt' (built in) or 'package.module:factory' returning an nn.Module."""
-    n_layer: int = 2
-    """tiny-gpt: number of transformer blocks."""
-    n_head: int = 2
-    """tiny-gpt: attention heads per block."""
-    n_embd: int = 64
-    """tiny-gpt: embedding width (divisible by n_head)."""
-    block_size: int = 64
-    """tiny-gpt: maximum sequence length (positions)."""
-    dropout: float = 0.1
-    """tiny-gpt: dropout probability in attention and MLP."""
-    bias: bool = True
-    """tiny-gpt: use biases in Linear and LayerNorm layers."""
-    gradient_checkpointing: bool = False
-    """Recompute block activations in backward (tiny-gpt, or a model with the same hook)."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments passed to a user factory."""
-
-    def __post_init__(self) -> None:
-        _check(
-            self.name == "tiny-gpt" or ":" in self.name,
-            "model.name",
-            f"unknown model {self.name!r}; accepted: tiny-gpt or 'package.module:factory'",
-        )
-        for key in ("n_layer", "n_head", "n_embd", "block_size"):
-            _check(getattr(self, key) > 0, f"model.{key}", "must be > 0")
-        _check(
-            self.n_embd % self.n_head == 0,
-            "model.n_embd",
-            f"must be divisible by model.n_head ({self.n_head}), got {self.n_embd}",
-        )
-        _check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-
-
-@dataclass
-class DataConfig:
-    source: str = "stdlib"
-    """'stdlib' (the Python standard library's source, no download) or a file path or glob."""
-    format: str = "auto"
-    """File format: auto (from the extension), text, json (json/jsonl) or parquet."""
-    text_field: str = "text"
-    """Column holding the text in json/parquet files."""
-    seq_len: int = 64
-    """Tokens (bytes) per sample."""
-    packing: bool = True
-    """Concatenate all text and cut fixed seq_len blocks; false keeps one sample per record."""
-    max_bytes: int = 2_000_000
-    """stdlib source: bytes of the corpus to use (0 = all)."""
-    num_workers: int = 0
-    """DataLoader worker processes."""
-    drop_last: bool = True
-    """Drop the last incomplete batch of an epoch."""
-    group_by_length: bool = False
-    """Batch samples of similar length together (useful with packing: false)."""
-    remove_unused_columns: bool = True
-    """Drop dataset columns the model's forward does not accept (logged once)."""
-    label_names: list[str] | None = None
-    """Batch keys that hold labels (default: labels, when the model accepts it)."""
-
-    def __post_init__(self) -> None:
-        _one_of(self.format, "data.format", DATA_FORMATS)
-        _check(self.seq_len > 1, "data.seq_len", f"must be > 1, got {self.seq_len}")
-        _check(self.max_bytes >= 0, "data.max_bytes", "must be >= 0")
-        _check(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
-        if self.source != "stdlib" and not any(ch in self.source for ch in "*?["):
-            _check(Path(self.source).exists(), "data.source", f"no such file {self.source!r}")
-
-
-@dataclass
-class TrainConfig:
-    max_steps: int | None = None
-    """Optimizer steps to run; wins over num_epochs when set."""
-    num_epochs: int | None = None
-    """Epochs to run when max_steps is not set."""
-    per_device_batch_size: int = 8
-    """Samples per micro-batch on each rank."""
-    gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this value (0 disables clipping)."""
-    logging_steps: int = 10
-    """Log (metrics.jsonl, console) every this many optimizer steps, and at the last step."""
-    bf16: bool = False
-    """Run forward passes under bf16 autocast."""
-    progress_bar: str = "auto"
-    """auto (tqdm on a terminal), always or never."""
-    auto_find_batch_size: bool = False
-    """On out-of-memory in the first steps: halve the batch, double accumulation, retry."""
-    label_smoothing_factor: float = 0.0
-    """Label smoothing for models that return logits (cross_entropy's label_smoothing)."""
-
-    def __post_init__(self) -> None:
-        _check(
-            self.max_steps is not None or self.num_epochs is not None,
-            "train.max_steps",
-            "set train.max_steps or train.num_epochs (both are missing)",
-        )
-        if self.max_steps is not None:
-            _check(self.max_steps > 0, "train.max_steps", f"must be > 0, got {self.max_steps}")
-        if self.num_epochs is not None:
-            _check(self.num_epochs > 0, "train.num_epochs", f"must be > 0, got {self.num_epochs}")
-        _check(
-            self.per_device_batch_size > 0,
-            "train.per_device_batch_size",
-            f"must be > 0, got {self.per_device_batch_size}",
-        )
-        _check(
-            self.gradient_accumulation_steps > 0,
-            "train.gradient_accumulation_steps",
-            f"must be > 0, got {self.gradient_accumulation_steps}",
-        )
-        _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 disables)")
-        _check(self.logging_steps > 0, "train.logging_steps", "must be > 0")
-        _one_of(self.progress_bar, "train.progress_bar", ("auto", "always", "never"))
-        _check(
-            0.0 <= self.label_smoothing_factor < 1.0,
-            "train.label_smoothing_factor",
-            "must be in [0, 1)",
-        )
-
-
-@dataclass
-class OptimConfig:
-    name: str = "adamw_torch"
-    """One of: adamw_torch, adamw_torch_fused, sgd, adagrad, adafactor."""
-    lr: float = 1e-3
-    """Peak learning rate."""
-    weight_decay: float = 0.0
-    """Weight decay, applied to all parameters but biases and normalisation weights."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.999
-    """AdamW beta2 (adafactor: its beta2_decay is not this; see README)."""
-    eps: float = 1e-8
-    """AdamW/Adagrad epsilon."""
-    momentum: float = 0.0
-    """SGD momentum."""
-
-    def __post_init__(self) -> None:
-        _one_of(self.name, "optim.name", OPTIMIZERS)
-        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
-        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1", "betas in [0, 1)")
-        _check(self.eps >= 0, "optim.eps", "must be >= 0")
-        _check(self.momentum >= 0, "optim.momentum", "must be >= 0")
-
-
-@dataclass
-class SchedulerConfig:
-    name: str = "linear"
-    """One of the eight schedule types (see README)."""
-    warmup_steps: int = 0
-    """Linear warmup steps; wins over warmup_ratio when > 0."""
-    warmup_ratio: float = 0.0
-    """Warmup as a fraction of the total optimizer steps."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra schedule arguments: num_cycles, lr_end, power, timescale, factor, patience..."""
-
-    def __post_init__(self) -> None:
-        _one_of(self.name, "scheduler.name", SCHEDULERS)
-        _check(self.warmup_steps >= 0, "scheduler.warmup_steps", "must be >= 0")
-        _check(0.0 <= self.warmup_ratio <= 1.0, "scheduler.warmup_ratio", "must be in [0, 1]")
-
-
-@dataclass
-class EvalConfig:
-    strategy: str = "no"
-    """When to evaluate: no, steps (every eval.steps), epoch (at each epoch end)."""
-    steps: int = 0
-    """With strategy steps: evaluate every this many optimizer steps (0: train.logging_steps)."""
-    per_device_batch_size: int | None = None
-    """Eval micro-batch per rank (default: train.per_device_batch_size)."""
-    source: str = "holdout"
-    """holdout (the last eval.holdout_samples of the training data, which training then skips)
-    or a file path / glob read with the data section's settings."""
-    holdout_samples: int = 256
-    """With source holdout: samples held out for evaluation."""
-
-    def __post_init__(self) -> None:
-        _one_of(self.strategy, "eval.strategy", ("no", "steps", "epoch"))
-        _check(self.holdout_samples > 0, "eval.holdout_samples", "must be > 0")
-        _check(self.steps >= 0, "eval.steps", "must be >= 0")
-        if self.per_device_batch_size is not None:
-            _check(self.per_device_batch_size > 0, "eval.per_device_batch_size", "must be > 0")
-
-
-@dataclass
-class CheckpointConfig:
-    save_steps: int = 0
-    """Save a checkpoint every this many optimizer steps (0 = only the final one)."""
-    save_total_limit: int | None = None
-    """Keep at most this many committed checkpoints (oldest deleted first)."""
-    resume_from: str = "latest"
-    """latest (newest committed checkpoint in output_dir, if any), none, or a checkpoint path."""
-    allow_config_change: bool = False
-    """Resume even when fields that change the trajectory differ from the checkpoint's."""
-    best_metric: str | None = None
-    """Metric (e.g. eval_loss) whose best checkpoint retention keeps beside the newest."""
-    greater_is_better: bool | None = None
-    """Whether a larger best_metric is better (default: false for names ending in loss)."""
-    load_best_model_at_end: bool = False
-    """Load the best checkpoint's model weights when training ends (needs best_metric)."""
-
-    def __post_init__(self) -> None:
-        _check(self.save_steps >= 0, "checkpoint.save_steps", "must be >= 0")
-        if self.save_total_limit is not None:
-            _check(self.save_total_limit > 0, "checkpoint.save_total_limit", "must be > 0")
-        _check(bool(self.resume_from), "checkpoint.resume_from", "latest, none or a path")
-
-
-@dataclass
-class EngineConfig:
-    name: str = "ddp"
-    """Distributed engine: ddp."""
-    backend: str = "auto"
-    """Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
-    device: str = "auto"
-    """auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu or cuda."""
-    find_unused_parameters: bool = False
-    """DDP find_unused_parameters."""
-
-    def __post_init__(self) -> None:
-        _one_of(self.name, "engine.name", ENGINES)
-        _one_of(self.backend, "engine.backend", ("auto", "nccl", "gloo"))
-        _one_of(self.device, "engine.device", ("auto", "cpu", "cuda"))
-
-
-@dataclass
-class Config:
-    """The whole run; every section is built (from defaults where the file is silent)."""
-
-    run: RunConfig
-    model: ModelConfig
-    data: DataConfig
-    train: TrainConfig
-    eval: EvalConfig
-    optim: OptimConfig
-    scheduler: SchedulerConfig
-    checkpoint: CheckpointConfig
-    engine: EngineConfig
-
-    def __post_init__(self) -> None:
-        if self.checkpoint.load_best_model_at_end:
-            _check(
-                self.checkpoint.best_metric is not None,
-                "checkpoint.load_best_model_at_end",
-                "needs checkpoint.best_metric (e.g. eval_loss)",
-            )
-        if self.checkpoint.best_metric is not None and self.checkpoint.best_metric.startswith(
-            "eval_"
-        ):
-            _check(
-                self.eval.strategy != "no",
-                "checkpoint.best_metric",
-                f"{self.checkpoint.best_metric} needs evaluation: set eval.strategy",
-            )
-        if self.model.name == "tiny-gpt":
-            _check(
-                self.data.seq_len <= self.model.block_size,
-                "data.seq_len",
-                f"must be <= model.block_size ({self.model.block_size}), got {self.data.seq_len}",
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
+__all__ = [
+    "DATA_FORMATS",
+    "DEFAULT_CONFIG",
+    "ENGINES",
+    "OPTIMIZERS",
+    "SCHEDULERS",
+    "SECTIONS",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EngineConfig",
+    "EvalConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "SchedulerConfig",
+    "TrainConfig",
+    "build_config",
+    "dump_config",
+    "load_config",
+    "parse_overrides",
+]
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
