@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointing.stateful import Stateful
-from core.config import Config
+from core.config import Config, metric_greater_is_better
 from core.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -227,12 +227,10 @@ class EarlyStoppingCallback(TrainerCallback):
     def resolve(self, config: Config) -> tuple[str, bool]:
         """(metric name, greater is better) after applying the config's defaults."""
         metric = self.metric or config.checkpoint.best_metric or "eval_loss"
-        greater = self.greater_is_better
-        if greater is None:
-            greater = config.checkpoint.greater_is_better
-        if greater is None:
-            greater = not metric.endswith("loss")
-        return metric, greater
+        explicit = self.greater_is_better
+        if explicit is None:
+            explicit = config.checkpoint.greater_is_better
+        return metric, metric_greater_is_better(metric, explicit)
 
     def on_evaluate(
         self,

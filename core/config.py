@@ -32,6 +32,7 @@ from core.config_sections import (
     SchedulerConfig,
     TrainConfig,
     _check,
+    metric_greater_is_better,
 )
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "build_config",
     "dump_config",
     "load_config",
+    "metric_greater_is_better",
     "parse_overrides",
 ]
 

@@ -272,6 +272,11 @@ class CheckpointConfig:
         _check(bool(self.resume_from), "checkpoint.resume_from", "latest, none or a path")
 
 
+def metric_greater_is_better(metric: str, explicit: bool | None = None) -> bool:
+    """`explicit` when set, else false for metrics named ...loss (as the HF Trainer decides)."""
+    return explicit if explicit is not None else not metric.endswith("loss")
+
+
 @dataclass
 class EngineConfig:
     name: str = "ddp"

@@ -20,7 +20,7 @@ from checkpointing.manager import CheckpointManager
 from core.callbacks import TrainerCallback
 from core.checkpoint import RunCheckpointer, trajectory
 from core.columns import default_label_names, remove_unused_columns
-from core.config import Config, ConfigError
+from core.config import Config, ConfigError, metric_greater_is_better
 from core.data import build_dataset, collate, dataset_fingerprint, sample_lengths
 from core.engines.ddp import DDPEngine
 from core.evaluation import evaluate
@@ -95,14 +95,6 @@ def _dataset_facts(dataset: Any) -> tuple[np.ndarray | None, str]:
         return None, dataset_fingerprint(dataset)
     # A torch map-style dataset has no content hash; its type and size stand in for one.
     return None, f"{type(dataset).__qualname__}:{len(dataset)}"
-
-
-def greater_is_better(config: Config) -> bool:
-    """checkpoint.greater_is_better, defaulting to false for metrics named ...loss."""
-    cc = config.checkpoint
-    if cc.greater_is_better is not None:
-        return cc.greater_is_better
-    return not (cc.best_metric or "eval_loss").endswith("loss")
 
 
 def _eval_split(config: Config, dataset: Any, eval_dataset: Any) -> tuple[Any, Any]:
@@ -246,7 +238,9 @@ def build_trainer(
         save_total_limit=config.checkpoint.save_total_limit,
         engine=config.engine.name,
         group=control_group(),
-        greater_is_better=greater_is_better(config),
+        greater_is_better=metric_greater_is_better(
+            config.checkpoint.best_metric or "eval_loss", config.checkpoint.greater_is_better
+        ),
     )
     checkpointer = RunCheckpointer(
         config,
