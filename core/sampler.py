@@ -73,6 +73,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.epoch = 0
         self.position = 0
         self._generator_state = self._seeded_state(0)
+        self._order: np.ndarray | None = None  # the epoch's order, computed once per epoch
 
     # -- epoch and position -------------------------------------------------------------------
     def _seeded_state(self, epoch: int) -> torch.Tensor:
@@ -85,6 +86,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.epoch = epoch
         self.position = 0
         self._generator_state = self._seeded_state(epoch)
+        self._order = None
 
     def advance(self, num_global_samples: int) -> None:
         """Record that all ranks together consumed this many more samples of the epoch."""
@@ -102,7 +104,16 @@ class ResumableDistributedSampler(Sampler[int]):
 
     # -- the order ----------------------------------------------------------------------------
     def epoch_order(self) -> np.ndarray:
-        """The global order of the current epoch (total_size indices, identical on every rank)."""
+        """The global order of the current epoch (total_size indices, identical on every rank).
+
+        Computed once per epoch (the loop, the DataLoader's iterator and every checkpoint's
+        self-check all ask for it) and returned read-only."""
+        if self._order is None:
+            self._order = self._compute_order()
+            self._order.flags.writeable = False
+        return self._order
+
+    def _compute_order(self) -> np.ndarray:
         if self.shuffle:
             g = torch.Generator()
             g.set_state(self._generator_state)
@@ -161,3 +172,4 @@ class ResumableDistributedSampler(Sampler[int]):
         self.position = state["position"]
         raw = np.frombuffer(base64.b64decode(state["generator_state"]), dtype=np.uint8)
         self._generator_state = torch.from_numpy(raw.copy())
+        self._order = None
