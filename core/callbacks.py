@@ -91,12 +91,13 @@ class TrainerCallback:
     def on_pre_optimizer_step(
         self, config: Config, state: TrainState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Gradients are complete (all micro-batches), right before optimizer.step."""
+        """Gradients are complete (all micro-batches), before clipping and optimizer.step (the
+        engine clips, steps and zeroes in one call)."""
 
     def on_optimizer_step(
         self, config: Config, state: TrainState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """optimizer.step is done, before the gradients are zeroed."""
+        """optimizer.step and the schedule's step are done (the gradients are already zeroed)."""
 
     def on_step_end(
         self, config: Config, state: TrainState, control: TrainerControl, **kwargs: Any
