@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from checkpointing.deepspeed_files import deepspeed_weights
 from checkpointing.manager import TMP_PREFIX
 from checkpointing.manifest import CheckpointError, list_checkpoints, verify
 from checkpointing.serialize import load_state, write_safetensors
@@ -63,13 +64,17 @@ def cmd_verify(path: Path) -> int:
 
 def cmd_export(path: Path, out: Path) -> int:
     """Model weights only, every parameter and buffer under its own name (tied weights
-    written under each name), for inference."""
+    written under each name), for inference. A DeepSpeed checkpoint's ZeRO shards are
+    consolidated into full fp32 weights first."""
     try:
-        verify(path)
+        manifest = verify(path)
+        if manifest.engine == "deepspeed":
+            state = deepspeed_weights(path, manifest)
+        else:
+            state = load_state(path, "model")
     except CheckpointError as e:
         print(f"FAILED {e}", file=sys.stderr)
         return 1
-    state = load_state(path, "model")
     seen: set[int] = set()
     tensors = {}
     for name, t in state.items():
@@ -91,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", type=Path)
     p = sub.add_parser("verify", help="check every file against the manifest (exit 1 if not)")
     p.add_argument("path", type=Path)
-    p = sub.add_parser("export", help="model weights as one safetensors file")
+    p = sub.add_parser(
+        "export", help="model weights as one safetensors file (ZeRO shards consolidated)"
+    )
     p.add_argument("path", type=Path)
     p.add_argument("out", type=Path)
     args = parser.parse_args(argv)

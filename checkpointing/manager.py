@@ -33,9 +33,10 @@ from checkpointing.serialize import (
     fsync_dir,
     load_state,
     save_state,
+    sync_and_digest,
     write_json,
 )
-from checkpointing.stateful import Stateful
+from checkpointing.stateful import DirectoryState, Stateful
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,17 @@ TRASH_PREFIX = ".trash-"
 @dataclass
 class Entry:
     """One piece of state: global entries are written once (rank 0), per-rank ones by every
-    rank as `<name>/rank-<r>`."""
+    rank as `<name>/rank-<r>`; a DirectoryState writes its own files under `<name>/`."""
 
-    obj: Stateful
+    obj: Stateful | DirectoryState
     per_rank: bool = False
+
+    @property
+    def kind(self) -> str:
+        """How the manifest records the entry: global, per_rank or directory."""
+        if isinstance(self.obj, DirectoryState) and not isinstance(self.obj, Stateful):
+            return "directory"
+        return "per_rank" if self.per_rank else "global"
 
 
 def _rank_name(name: str, rank: int) -> str:
@@ -104,11 +112,18 @@ class CheckpointManager:
         barrier(self.group)
 
         digests: dict[str, FileDigest] = {}
+        directories = []
         for name, entry in entries.items():
-            if entry.per_rank:
+            if entry.kind == "directory":
+                entry.obj.save_to(tmp / name)  # a collective: every rank writes its part
+                directories.append(name)
+            elif entry.per_rank:
                 digests.update(save_state(tmp, _rank_name(name, self.rank), entry.obj.state_dict()))
             elif self.rank == 0:
                 digests.update(save_state(tmp, name, entry.obj.state_dict()))
+        if directories:
+            barrier(self.group)  # every rank's files are written before any is hashed
+            digests.update(self._hash_share(tmp, directories))
         gathered = gather_objects((digests, rank_checks), self.group)
 
         if self.rank == 0:
@@ -126,7 +141,7 @@ class CheckpointManager:
                 config_fingerprint=config_fingerprint,
                 trajectory=trajectory,
                 files=dict(sorted(files.items())),
-                entries={n: "per_rank" if e.per_rank else "global" for n, e in entries.items()},
+                entries={n: e.kind for n, e in entries.items()},
                 checks=all_checks,
                 created=time.time(),
             )
@@ -144,6 +159,16 @@ class CheckpointManager:
             )
         barrier(self.group)
         return final
+
+    def _hash_share(self, tmp: Path, directories: list[str]) -> dict[str, FileDigest]:
+        """fsync and hash this rank's share of the files under `directories` (written by an
+        engine's own save, which neither syncs nor records them): file i goes to rank i mod
+        world, so the reading is spread over the ranks whoever wrote what."""
+        files = sorted(p for d in directories for p in (tmp / d).rglob("*") if p.is_file())
+        return {
+            p.relative_to(tmp).as_posix(): sync_and_digest(p)
+            for p in files[self.rank :: self.world_size]
+        }
 
     def _commit(self, tmp: Path, final: Path) -> None:
         if final.exists():
@@ -238,11 +263,17 @@ class CheckpointManager:
         missing = sorted(set(entries) - set(manifest.entries))
         if missing:
             raise CheckpointError(f"{path}: holds no state for {', '.join(missing)}")
-        if any(e.per_rank for e in entries.values()) and manifest.world_size != self.world_size:
+        bound = any(e.kind != "global" for e in entries.values())
+        if bound and manifest.world_size != self.world_size:
             raise CheckpointError(
                 f"{path}: saved by {manifest.world_size} ranks, this run has {self.world_size}"
             )
         for name, entry in entries.items():
+            if entry.kind == "directory":
+                if manifest.entries[name] != "directory":
+                    raise CheckpointError(f"{path}: {name} is not a directory entry there")
+                entry.obj.load_from(path / name)  # verified before: sha256 of every file
+                continue
             file_name = _rank_name(name, self.rank) if entry.per_rank else name
             try:
                 state = load_state(path, file_name)

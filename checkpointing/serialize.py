@@ -274,6 +274,18 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise StateFormatError(f"{path}: not a valid safetensors file ({e})") from e
 
 
+def sync_and_digest(path: Path) -> FileDigest:
+    """fsync a file another writer left (reading it once for the sha256 on the way)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+            size += len(chunk)
+        os.fsync(f.fileno())
+    return FileDigest(size, h.hexdigest())
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory so the entries created in it (files, sub-directories) are durable."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

@@ -72,6 +72,12 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        # A mapping where the union admits one, text where it admits str, else the first.
+        for a in inner:
+            if (isinstance(value, dict) and typing.get_origin(a) is dict) or (
+                isinstance(value, str) and a is str
+            ):
+                return _coerce(key, value, a)
         return _coerce(key, value, inner[0])
     if origin is list:
         _check(

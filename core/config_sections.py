@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "adafactor")
 SCHEDULERS = (
     "linear",
@@ -23,8 +25,9 @@ SCHEDULERS = (
     "inverse_sqrt",
     "reduce_lr_on_plateau",
 )
-ENGINES = ("ddp",)
+ENGINES = ("ddp", "deepspeed")
 DATA_FORMATS = ("auto", "text", "json", "parquet")
+REPORT_TO = ("jsonl", "tensorboard")
 
 
 class ConfigError(ValueError):
@@ -34,6 +37,21 @@ class ConfigError(ValueError):
 def _check(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
+
+
+def _read_mapping(path: str, key: str) -> dict[str, Any]:
+    """A JSON or YAML file holding a mapping (JSON is YAML, so one parser reads both), or such
+    a mapping written inline (`--engine.deepspeed_config '{zero_optimization: {stage: 2}}'`)."""
+    inline = path.lstrip().startswith("{")
+    p = Path(path)
+    _check(inline or p.is_file(), key, f"no such file {path!r}")
+    try:
+        value = yaml.safe_load(path if inline else p.read_text())
+    except yaml.YAMLError as e:
+        why = e.__class__.__name__
+        raise ConfigError(f"{key}: {path} is not valid JSON or YAML ({why})") from e
+    _check(isinstance(value, dict), key, f"{path} must hold a mapping")
+    return value
 
 
 def _one_of(value: str, key: str, accepted: tuple[str, ...]) -> None:
@@ -52,11 +70,15 @@ class RunConfig:
     """Allow a fresh run (resume_from: none) to write into an output_dir that holds checkpoints."""
     log_level: str = "info"
     """Logging level: debug, info, warning, error."""
+    report_to: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where rank 0 reports metrics: jsonl (metrics.jsonl), tensorboard (<output_dir>/tensorboard)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.output_dir), "run.output_dir", "must be a non-empty path")
         _check(self.seed >= 0, "run.seed", f"must be >= 0, got {self.seed}")
         _one_of(self.log_level, "run.log_level", ("debug", "info", "warning", "error"))
+        for target in self.report_to:
+            _one_of(target, "run.report_to", REPORT_TO)
 
 
 @dataclass
@@ -287,9 +309,21 @@ class EngineConfig:
     """auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu or cuda."""
     find_unused_parameters: bool = False
     """DDP find_unused_parameters."""
+    deepspeed_config: dict[str, Any] | str | None = None
+    """deepspeed: a DeepSpeed config (JSON or YAML file, or an inline mapping); the file is read
+    here, so config.yaml records its content. Batch size, accumulation, clipping and bf16 come
+    from the train section (leave them out or "auto")."""
 
     def __post_init__(self) -> None:
         _one_of(self.name, "engine.name", ENGINES)
+        if isinstance(self.deepspeed_config, str):
+            self.deepspeed_config = _read_mapping(self.deepspeed_config, "engine.deepspeed_config")
+        if self.deepspeed_config is not None:
+            _check(
+                self.name == "deepspeed",
+                "engine.deepspeed_config",
+                f"is for engine.name deepspeed, not {self.name}",
+            )
         _one_of(self.backend, "engine.backend", ("auto", "nccl", "gloo"))
         _one_of(self.device, "engine.device", ("auto", "cpu", "cuda"))
 
@@ -322,6 +356,17 @@ class Config:
                 self.eval.strategy != "no",
                 "checkpoint.best_metric",
                 f"{self.checkpoint.best_metric} needs evaluation: set eval.strategy",
+            )
+        if self.engine.name == "deepspeed":
+            _check(
+                not self.checkpoint.load_best_model_at_end,
+                "checkpoint.load_best_model_at_end",
+                "is not supported with engine.name deepspeed",
+            )
+            _check(
+                not self.train.auto_find_batch_size,
+                "train.auto_find_batch_size",
+                "is not supported with engine.name deepspeed",
             )
         if self.model.name == "tiny-gpt":
             _check(

@@ -22,6 +22,7 @@ from core.checkpoint import RunCheckpointer, trajectory
 from core.columns import default_label_names, remove_unused_columns
 from core.config import Config, ConfigError, metric_greater_is_better
 from core.data import build_dataset, collate, dataset_fingerprint, sample_lengths
+from core.engines.base import Engine
 from core.engines.ddp import DDPEngine
 from core.evaluation import evaluate
 from core.loop import DistInfo, TrainLoop, plan_steps
@@ -127,6 +128,49 @@ def _build_optimizer(
     return build_optimizer(model, config.optim, device)
 
 
+def _build_engine(
+    config: Config,
+    model: nn.Module,
+    parts: UserParts,
+    device: torch.device,
+    total_steps: int,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    dist_info: DistInfo,
+) -> Engine:
+    def make_schedule(optimizer: torch.optim.Optimizer) -> Schedule:
+        if parts.lr_scheduler is not None:
+            return Schedule(parts.lr_scheduler)
+        sc = config.scheduler
+        try:
+            return build_schedule(
+                optimizer, sc.name, total_steps, sc.warmup_steps, sc.warmup_ratio, sc.kwargs
+            )
+        except ValueError as e:
+            raise ConfigError(f"scheduler.kwargs: {e}") from e
+
+    if config.engine.name == "deepspeed":
+        from core.engines.deepspeed import DeepSpeedEngine, resolve_deepspeed_config
+
+        ds_config = resolve_deepspeed_config(config, dist_info.world_size)
+        names_optimizer = ds_config.get("optimizer") is not None
+        if names_optimizer and (parts.optimizer is not None or parts.optimizer_cls_and_kwargs):
+            raise ConfigError(
+                "engine.deepspeed_config: names an optimizer, and the Trainer was given one too"
+            )
+        optimizer = None if names_optimizer else _build_optimizer(model, config, parts, device)
+        return DeepSpeedEngine(model, optimizer, make_schedule, device, ds_config, loss_fn)
+    optimizer = _build_optimizer(model, config, parts, device)
+    return DDPEngine(
+        model,
+        optimizer,
+        make_schedule(optimizer),
+        device,
+        bf16=config.train.bf16,
+        find_unused_parameters=config.engine.find_unused_parameters,
+        loss_fn=loss_fn,
+    )
+
+
 def build_trainer(
     config: Config,
     dist_info: DistInfo,
@@ -199,26 +243,7 @@ def build_trainer(
             label_smoother=LabelSmoother(config.train.label_smoothing_factor),
             label_names=label_names,
         )
-    optimizer = _build_optimizer(model, config, parts, device)
-    sc = config.scheduler
-    if parts.lr_scheduler is not None:
-        schedule = Schedule(parts.lr_scheduler)
-    else:
-        try:
-            schedule = build_schedule(
-                optimizer, sc.name, total_steps, sc.warmup_steps, sc.warmup_ratio, sc.kwargs
-            )
-        except ValueError as e:
-            raise ConfigError(f"scheduler.kwargs: {e}") from e
-    engine = DDPEngine(
-        model,
-        optimizer,
-        schedule,
-        device,
-        bf16=config.train.bf16,
-        find_unused_parameters=config.engine.find_unused_parameters,
-        loss_fn=loss_fn,
-    )
+    engine = _build_engine(config, model, parts, device, total_steps, loss_fn, dist_info)
     n_params = sum(p.numel() for p in model.parameters())
     if dist_info.is_main:
         logger.info(

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from checkpointing.stateful import Stateful
+from checkpointing.stateful import DirectoryState, Stateful
 from core.schedules import Schedule
 
 
 class Engine(ABC):
-    """Base class of the distributed engines (DDP now, DeepSpeed later)."""
+    """Base class of the distributed engines (DDP, DeepSpeed)."""
 
     device: torch.device
     optimizer: torch.optim.Optimizer
@@ -58,6 +58,11 @@ class Engine(ABC):
         """Clip (when max_grad_norm > 0), step optimizer and schedule, zero the gradients.
         Returns the pre-clip global gradient norm as a device tensor, or None without clipping."""
 
-    def stateful(self) -> dict[str, Stateful]:
+    def stateful(self) -> dict[str, Stateful | DirectoryState]:
         """What a checkpoint of this engine holds (names are the checkpoint's entries)."""
         return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.schedule}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, unsharded, on the CPU (a collective for engines that
+        shard; every rank gets the whole dict)."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

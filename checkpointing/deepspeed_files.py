@@ -1,0 +1,42 @@
+"""Reading the files DeepSpeed's `save_checkpoint` wrote inside one of our checkpoints.
+
+A checkpoint of engine `deepspeed` holds one directory entry: DeepSpeed's save_dir, with its
+shards under one tag sub-directory. DeepSpeed reads them with `torch.load(weights_only=False)`,
+a pickle that can run code: call these only on a checkpoint `verify` has passed, so every byte
+is the one our manifest recorded at save time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from checkpointing.manifest import CheckpointError, Manifest
+
+
+def deepspeed_tag_dir(path: Path, manifest: Manifest) -> Path:
+    """`<checkpoint>/<entry>/<tag>/`: where the shards of a verified checkpoint lie."""
+    names = [n for n, kind in manifest.entries.items() if kind == "directory"]
+    if len(names) != 1:
+        raise CheckpointError(f"{path}: expected one DeepSpeed directory entry, found {names}")
+    tags = sorted(p for p in (path / names[0]).iterdir() if p.is_dir())
+    if len(tags) != 1:
+        raise CheckpointError(f"{path / names[0]}: expected one tag directory, found {tags}")
+    return tags[0]
+
+
+def deepspeed_weights(path: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Full fp32 weights of a verified DeepSpeed checkpoint: ZeRO 1-3 shards consolidated by
+    DeepSpeed's own zero_to_fp32 (exact: it concatenates the fp32 partitions); without ZeRO,
+    the module state DeepSpeed saved whole."""
+    tag_dir = deepspeed_tag_dir(path, manifest)
+    if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    # Stage 0 in fp32: the module's state is saved whole by rank 0.
+    state = torch.load(
+        tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
+    )
+    return {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()}

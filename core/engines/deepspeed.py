@@ -1,0 +1,238 @@
+"""The DeepSpeed engine: ZeRO stages 0-3 behind the same Engine interface as DDP.
+
+Our config decides batch size, accumulation, clipping and precision and writes them into the
+DeepSpeed config (a conflicting value there is a ConfigError). Our optimizer is passed to
+`deepspeed.initialize` unless the DeepSpeed config names one; our schedule (any of the eight) is
+stepped by us after DeepSpeed's step, unless the DeepSpeed config names a scheduler, which
+DeepSpeed then steps and checkpoints itself.
+
+Checkpoints: DeepSpeed's `save_checkpoint` writes model and optimizer shards into the
+`deepspeed/` directory of our temporary checkpoint (with `save_latest=False`: its `latest` file is
+never written nor read); our manager hashes every file it wrote into the manifest and commits.
+DeepSpeed loads its files with `torch.load(weights_only=False)`, a pickle that can run code: the
+manager verifies every file's sha256 against the manifest before DeepSpeed reads any of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from checkpointing.stateful import DirectoryState, Stateful
+from core.config import Config, ConfigError
+from core.engines.base import Engine
+from core.engines.ddp import move_to_device
+from core.models import call_model
+from core.schedules import Schedule
+
+logger = logging.getLogger(__name__)
+
+TAG = "shards"
+"""The tag (sub-directory) DeepSpeed saves under, inside the checkpoint's `deepspeed/`."""
+
+
+def resolve_deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config to initialise with: the user's, plus the values our train section
+    decides. A key the user set to anything but our value or "auto" is a ConfigError."""
+    user = dict(config.engine.deepspeed_config or {})
+    tc = config.train
+    ours = {
+        "train_micro_batch_size_per_gpu": tc.per_device_batch_size,
+        "gradient_accumulation_steps": tc.gradient_accumulation_steps,
+        "train_batch_size": tc.per_device_batch_size * tc.gradient_accumulation_steps * world_size,
+        "gradient_clipping": float(tc.max_grad_norm),
+    }
+    where = {
+        "train_micro_batch_size_per_gpu": "train.per_device_batch_size",
+        "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+        "train_batch_size": "train.per_device_batch_size x gradient_accumulation_steps x world",
+        "gradient_clipping": "train.max_grad_norm",
+    }
+    for key, value in ours.items():
+        theirs = user.get(key, "auto")
+        if theirs != "auto" and theirs != value:
+            raise ConfigError(
+                f"engine.deepspeed_config: {key} is {theirs!r} but {where[key]} gives {value!r}; "
+                'remove it from the DeepSpeed config or set it to "auto"'
+            )
+        user[key] = value
+    fp16 = user.get("fp16") or {}
+    if fp16.get("enabled") is True:
+        raise ConfigError(
+            "engine.deepspeed_config: fp16 is not supported (dynamic loss scaling skips "
+            "optimizer steps, which breaks exact resume); use train.bf16 true"
+        )
+    bf16 = dict(user.get("bf16") or {})
+    if bf16.get("enabled", "auto") not in ("auto", tc.bf16):
+        raise ConfigError(
+            f"engine.deepspeed_config: bf16.enabled is {bf16['enabled']!r} but train.bf16 is "
+            f"{tc.bf16!r}; set train.bf16 instead"
+        )
+    bf16["enabled"] = tc.bf16
+    user["bf16"] = bf16
+    zero = user.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"engine.deepspeed_config: zero_optimization.stage {stage!r}; 0-3")
+    if user.get("scheduler") is not None and user.get("optimizer") is None:
+        raise ConfigError(
+            "engine.deepspeed_config: a scheduler needs the optimizer named there too "
+            "(or drop the scheduler and use our scheduler section)"
+        )
+    user.setdefault("steps_per_print", 2**31 - 1)  # we log; DeepSpeed's own lines repeat ours
+    return user
+
+
+def _skip_shm_op_build() -> None:
+    """Stop DeepSpeed JIT-compiling its shared-memory comm op at init on CPU (about 75 s with
+    gcc on first use per machine or container): the op serves only `inference_all_reduce`
+    (tensor-parallel inference), never training collectives, which go through torch.distributed.
+    DeepSpeed has no switch for this, so the builder hook is replaced before the first init."""
+    # import_module: `import deepspeed.comm.torch as m` would bind deepspeed.comm's attribute
+    # `torch`, which is the torch package itself.
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    ds_torch.build_shm_op = lambda: None
+
+
+class DeepSpeedShards:
+    """The checkpoint entry of DeepSpeed's own files (a directory entry: a collective)."""
+
+    def __init__(self, engine: Any, load_lr_scheduler: bool) -> None:
+        self._engine = engine
+        self._load_lr_scheduler = load_lr_scheduler
+
+    def save_to(self, directory: Path) -> None:
+        self._engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
+
+    def load_from(self, directory: Path) -> None:
+        path, _ = self._engine.load_checkpoint(
+            str(directory),
+            tag=TAG,
+            load_module_strict=True,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=self._load_lr_scheduler,
+        )
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {directory}/{TAG}")
+
+
+class _DeepSpeedSchedule(Schedule):
+    """A scheduler named in the DeepSpeed config: DeepSpeed steps it in `engine.step()` and
+    saves it with its shards, so here step() is a no-op and it is no entry of ours."""
+
+    def step(self) -> None:
+        pass
+
+    def last_lr(self) -> float:
+        return float(self.scheduler.optimizer.param_groups[0]["lr"])
+
+
+class DeepSpeedEngine(Engine):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        build_schedule: Callable[[torch.optim.Optimizer], Schedule],
+        device: torch.device,
+        ds_config: dict[str, Any],
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] = call_model,
+    ) -> None:
+        """`optimizer` is None when `ds_config` names one; `build_schedule(optimizer)` makes
+        ours over whichever optimizer DeepSpeed steps (unused when ds_config names one)."""
+        try:
+            import deepspeed
+        except ImportError as e:
+            raise ConfigError(
+                "engine.name: deepspeed needs DeepSpeed: pip install -e '.[deepspeed]'"
+            ) from e
+        _skip_shm_op_build()
+        self.device = device
+        self._loss_fn = loss_fn
+        self._ds_config = ds_config
+        params = [p for p in model.parameters() if p.requires_grad]
+        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=params if optimizer is None else None,
+            config=ds_config,
+            dist_init_required=False,
+        )
+        self._ds = engine
+        # The torch optimizer inside DeepSpeed's wrapper: param_groups (and so the lr) shared.
+        self.optimizer = optimizer if optimizer is not None else engine.basic_optimizer
+        self._own_schedule = ds_scheduler is None
+        if self._own_schedule:
+            self.schedule = build_schedule(self.optimizer)
+        else:
+            self.schedule = _DeepSpeedSchedule(ds_scheduler)
+        self._zero_stage = engine.zero_optimization_stage()
+        self._clipping = float(ds_config["gradient_clipping"]) > 0
+        logger.debug("DeepSpeed ZeRO stage %d, wrapper %s", self._zero_stage, type(ds_optimizer))
+
+    @property
+    def zero_stage(self) -> int:
+        return self._zero_stage
+
+    @property
+    def model(self) -> nn.Module:
+        return self._ds.module
+
+    def train(self, mode: bool = True) -> None:
+        self._ds.train(mode)
+
+    def accumulate(self, sync: bool) -> AbstractContextManager[Any]:
+        # The loop decides where an optimizer step ends (the last step of an epoch may hold
+        # fewer micro-batches than gradient_accumulation_steps): tell DeepSpeed explicitly.
+        self._ds.set_gradient_accumulation_boundary(sync)
+        return contextlib.nullcontext()
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self._loss_fn(self._ds, move_to_device(batch, self.device))
+
+    def backward(self, loss: torch.Tensor, num_micro_batches: int) -> None:
+        # Scaled by the micro-batches this step really has, as the DDP engine does.
+        scaled = loss / num_micro_batches if num_micro_batches > 1 else loss
+        self._ds.backward(scaled, scale_wrt_gas=False)
+
+    def optimizer_step(self, max_grad_norm: float) -> torch.Tensor | None:
+        # DeepSpeed clips (gradient_clipping = train.max_grad_norm), steps and zeroes.
+        self._ds.step()
+        if self._own_schedule:
+            self.schedule.step()
+        if not self._clipping:
+            return None
+        norm = self._ds.get_global_grad_norm()
+        return None if norm is None else torch.as_tensor(float(norm))
+
+    def stateful(self) -> dict[str, Stateful | DirectoryState]:
+        entries: dict[str, Stateful | DirectoryState] = {
+            "deepspeed": DeepSpeedShards(self._ds, load_lr_scheduler=not self._own_schedule)
+        }
+        if self._own_schedule:
+            entries["scheduler"] = self.schedule
+        return entries
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, unsharded, fp32 master values where DeepSpeed keeps
+        them (a collective; each rank gets the whole dict)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        out: dict[str, torch.Tensor] = {}
+        for name in self.model.state_dict(keep_vars=True):  # its names, tied ones included
+            if name in params:
+                full = safe_get_full_fp32_param(params[name]) if self._zero_stage > 0 else None
+                value = full if full is not None else params[name].detach().float()
+            else:
+                value = buffers[name].detach()
+            out[name] = value.cpu().clone()
+        return out
