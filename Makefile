@@ -32,6 +32,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/hadolint docker/Dockerfile docker/Dockerfile.cpu
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
