@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from checkpointing.stateful import DirectoryState, Stateful
@@ -153,6 +154,11 @@ class DeepSpeedEngine(Engine):
             raise ConfigError(
                 "engine.name: deepspeed needs DeepSpeed: pip install -e '.[deepspeed]'"
             ) from e
+        if not dist.is_initialized():
+            raise ConfigError(
+                "engine.name: deepspeed runs under torchrun (even for one process: "
+                "torchrun --nproc-per-node 1 -m launcher ...)"
+            )
         _skip_shm_op_build()
         self.device = device
         self._loss_fn = loss_fn

@@ -1,0 +1,269 @@
+"""engine.name: deepspeed on CPU (gloo, 2 processes): ZeRO stages 1-3 resume bit-identically
+after a clean stop, SIGKILL at random moments (mid-save included) and SIGTERM; a corrupt
+DeepSpeed shard is caught by the manifest and the previous checkpoint is used; the export of a
+checkpoint equals the live model's weights. Losses are compared as logged floats and weights
+with torch.equal on the consolidated (zero_to_fp32) state."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpointing.manifest import list_checkpoints, read_manifest, verify
+from core.config import ConfigError, load_config
+from core.engines.deepspeed import resolve_deepspeed_config
+from tests.checkpoints import assert_same_losses, assert_tensors_equal, seed_resume_dir
+from tests.launch import REPO, SMALL, kill_tree, launcher_cmd, read_metrics, run, run_launcher
+from tests.test_interruptions import logged_steps, saving, start, wait_for
+
+pytest.importorskip("deepspeed")
+
+STEPS = 24  # an epoch is 19.5 steps here: step 20 holds one micro-batch, not two
+STAGES = (1, 2, 3)
+
+
+def ds_args(stage: int, *extra: str) -> tuple[str, ...]:
+    return (
+        *SMALL,
+        "--engine.name",
+        "deepspeed",
+        "--engine.deepspeed_config",
+        str(REPO / "configs" / "deepspeed" / f"zero{stage}.json"),
+        "--train.max_steps",
+        str(STEPS),
+        "--train.gradient_accumulation_steps",
+        "2",
+        "--checkpoint.save_steps",
+        "4",
+        "--checkpoint.save_total_limit",
+        "3",
+        *extra,
+    )
+
+
+def export(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
+    cmd = [sys.executable, "-m", "checkpointing", "export", str(checkpoint), str(out)]
+    result = run(cmd, cwd=out.parent, timeout=120)
+    assert result.returncode == 0, result.output
+    return load_file(out)
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    """The consolidated fp32 weights of two checkpoints are equal, tensor by tensor."""
+    wa = export(a, a.parent / f"{a.name}.a.safetensors")
+    wb = export(b, b.parent / f"{b.name}.b.safetensors")
+    assert_tensors_equal(wa, wb, "weights")
+
+
+@pytest.fixture(scope="module", params=STAGES, ids=lambda s: f"zero{s}")
+def reference(request, tmp_path_factory) -> tuple[int, Path]:
+    """An uninterrupted run per stage, through the worker that also saves the live model."""
+    stage = request.param
+    ref = tmp_path_factory.mktemp(f"ref-zero{stage}") / "run"
+    ref.mkdir()
+    args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--run.output_dir", str(ref)]
+    cmd = [*launcher_cmd(2, []), *args, *ds_args(stage)]
+    cmd[cmd.index("launcher")] = "tests.ds_worker"
+    cmd.insert(cmd.index("tests.ds_worker") + 1, str(ref / "live"))
+    result = run(cmd, cwd=ref.parent)
+    assert result.returncode == 0, result.output
+    assert read_manifest(ref / f"checkpoint-{STEPS}").engine == "deepspeed"
+    return stage, ref
+
+
+def test_export_equals_the_live_model(reference):
+    stage, ref = reference
+    live = load_file(ref / "live" / "model.safetensors")
+    exported = export(ref / f"checkpoint-{STEPS}", ref.parent / "export.safetensors")
+    assert_tensors_equal(exported, live, f"zero{stage} export")
+    # Sharded for real: every rank wrote its own optimizer partition.
+    shards = sorted(p.name for p in (ref / f"checkpoint-{STEPS}" / "deepspeed").rglob("*.pt"))
+    assert sum("optim_states" in s for s in shards) == 2, shards
+
+
+def test_resume_after_a_clean_stop_is_exact(tmp_path, reference):
+    stage, ref = reference
+    run_dir = tmp_path / "run"
+    seed_resume_dir(ref, run_dir, 16)
+    result = run_launcher(run_dir, 2, *ds_args(stage))
+    assert result.returncode == 0, result.output
+    assert f"resumed from {run_dir / 'checkpoint-16'}" in result.output
+    assert_same_losses(ref, run_dir)
+    assert_same_weights(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+
+
+def test_sigkill_at_random_moments_including_mid_save(tmp_path, reference):
+    stage, ref = reference
+    run_dir = tmp_path / "run"
+    rng = random.Random(stage)
+    hits = 0
+    for plan in ("save", "step"):
+        proc = start(run_dir, 2, *ds_args(stage))
+        if plan == "save":
+            hit = wait_for(lambda: saving(run_dir), proc)
+            time.sleep(rng.uniform(0, 0.02))
+        else:
+            target = logged_steps(run_dir) + rng.randint(2, 6)
+            hit = wait_for(lambda t=target: logged_steps(run_dir) >= t, proc)
+            time.sleep(rng.uniform(0, 0.05))
+        kill_tree(proc)  # torchrun and every worker, by pid
+        hits += hit
+        for _, path in list_checkpoints(run_dir):
+            verify(path)  # a checkpoint-<step> that exists is always complete
+    assert hits == 2, "the run ended before a kill: the test tested nothing"
+    result = run_launcher(run_dir, 2, *ds_args(stage))
+    assert result.returncode == 0, result.output
+    assert_same_losses(ref, run_dir)
+    assert_same_weights(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+
+
+def test_sigterm_commits_and_resumes_exactly(tmp_path, reference):
+    stage, ref = reference
+    run_dir = tmp_path / "run"
+    args = ds_args(stage, "--checkpoint.save_steps", "0")
+    proc = start(run_dir, 2, *args)
+    try:
+        assert wait_for(lambda: logged_steps(run_dir) >= 5, proc)
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert "preempted at step" in out, out
+    (step, path), *_ = list_checkpoints(run_dir)
+    assert 5 <= step < STEPS and verify(path).engine == "deepspeed"
+    result = run_launcher(run_dir, 2, *args)
+    assert result.returncode == 0, result.output
+    assert f"resumed from {path}" in result.output
+    assert_same_losses(ref, run_dir)
+    assert_same_weights(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+
+
+def test_corrupt_shard_is_caught_and_the_previous_checkpoint_used(tmp_path, reference):
+    stage, ref = reference
+    run_dir = tmp_path / "run"
+    seed_resume_dir(ref, run_dir, 16)
+    shutil.copytree(ref / "checkpoint-20", run_dir / "checkpoint-20")
+    shard = next((run_dir / "checkpoint-20" / "deepspeed").rglob("zero_pp_rank_1_*optim_states.pt"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, in the middle of rank 1's optimizer partition
+    shard.write_bytes(bytes(data))
+    result = run_launcher(run_dir, 2, *ds_args(stage))
+    assert result.returncode == 0, result.output
+    assert "skipping checkpoint-20" in result.output and "sha256" in result.output
+    assert f"resumed from {run_dir / 'checkpoint-16'}" in result.output
+    assert_same_losses(ref, run_dir)
+    assert_same_weights(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+
+
+# -- single configurations ---------------------------------------------------------------------
+def _ref_and_resume(tmp_path: Path, args: tuple[str, ...], step: int) -> tuple[Path, Path]:
+    ref = tmp_path / "ref"
+    result = run_launcher(ref, 2, *args)
+    assert result.returncode == 0, result.output
+    run_dir = tmp_path / "run"
+    seed_resume_dir(ref, run_dir, step)
+    result = run_launcher(run_dir, 2, *args)
+    assert result.returncode == 0, result.output
+    assert_same_losses(ref, run_dir)
+    assert_same_weights(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+    return ref, run_dir
+
+
+def test_bf16_zero2_resumes_exactly(tmp_path):
+    ref, _ = _ref_and_resume(tmp_path, ds_args(2, "--train.bf16", "true"), 16)
+    # bf16 really ran: DeepSpeed keeps the module in bf16 (fp32 master weights in the shards).
+    shards = ref / f"checkpoint-{STEPS}" / "deepspeed"
+    module = torch.load(next(shards.rglob("mp_rank_00_model_states.pt")), weights_only=False)
+    assert module["module"]["wte.weight"].dtype == torch.bfloat16
+
+
+def test_optimizer_and_scheduler_named_in_the_deepspeed_config(tmp_path):
+    ds = (
+        "{zero_optimization: {stage: 1}, optimizer: {type: AdamW, params: {lr: 0.001, "
+        "torch_adam: true}}, scheduler: {type: WarmupLR, params: {warmup_num_steps: 10}}}"
+    )
+    args = (*ds_args(1), "--engine.deepspeed_config", ds)
+    ref, _ = _ref_and_resume(tmp_path, args, 16)
+    # DeepSpeed's WarmupLR (log warmup to its default 0.001 over 10 steps) drove the lr, and
+    # the resume restored it from DeepSpeed's own files: the lrs matched above.
+    lrs = [m["lr"] for m in read_metrics(ref)]
+    assert all(a <= b for a, b in itertools.pairwise(lrs)) and lrs[-1] == 0.001, lrs
+    assert 0 < lrs[5] < 0.001, lrs
+    assert "scheduler" not in read_manifest(ref / f"checkpoint-{STEPS}").entries
+
+
+# -- config ------------------------------------------------------------------------------------
+def _config(*overrides: str):
+    return load_config(None, ["--engine.name", "deepspeed", *overrides])
+
+
+def test_our_train_section_fills_the_deepspeed_config():
+    cfg = _config(
+        "--engine.deepspeed_config",
+        str(REPO / "configs" / "deepspeed" / "zero3.json"),
+        "--train.per_device_batch_size",
+        "4",
+        "--train.gradient_accumulation_steps",
+        "3",
+        "--train.max_grad_norm",
+        "0.5",
+        "--train.bf16",
+        "true",
+    )
+    ds = resolve_deepspeed_config(cfg, world_size=2)
+    assert ds["zero_optimization"] == {"stage": 3}
+    assert ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["gradient_accumulation_steps"] == 3
+    assert ds["train_batch_size"] == 24
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["bf16"] == {"enabled": True}
+
+
+@pytest.mark.parametrize(
+    ("inline", "message"),
+    [
+        ("{train_micro_batch_size_per_gpu: 32}", "train.per_device_batch_size gives 16"),
+        ("{gradient_clipping: 5.0}", "train.max_grad_norm gives 1.0"),
+        ("{bf16: {enabled: true}}", "set train.bf16 instead"),
+        ("{fp16: {enabled: true}}", "fp16 is not supported"),
+        ("{zero_optimization: {stage: 4}}", "zero_optimization.stage 4"),
+        ("{scheduler: {type: WarmupLR}}", "needs the optimizer named there too"),
+    ],
+)
+def test_a_conflicting_deepspeed_config_is_one_clear_error(inline, message):
+    cfg = _config("--engine.deepspeed_config", inline)
+    with pytest.raises(ConfigError, match="engine.deepspeed_config") as e:
+        resolve_deepspeed_config(cfg, world_size=2)
+    assert message in str(e.value)
+
+
+def test_deepspeed_config_file_errors():
+    with pytest.raises(ConfigError, match="engine.deepspeed_config: no such file"):
+        _config("--engine.deepspeed_config", "missing.json")
+    with pytest.raises(ConfigError, match="is for engine.name deepspeed"):
+        load_config(None, ["--engine.deepspeed_config", "{zero_optimization: {stage: 1}}"])
+
+
+def test_conflict_exits_2_from_the_launcher(tmp_path):
+    result = run_launcher(
+        tmp_path / "run", 2, *ds_args(1), "--engine.deepspeed_config", "{gradient_clipping: 3}"
+    )
+    assert result.returncode != 0
+    assert "engine.deepspeed_config: gradient_clipping is 3" in result.output
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_a_single_process_without_torchrun_gets_a_clear_error(tmp_path):
+    result = run_launcher(tmp_path / "run", None, *ds_args(1))
+    assert result.returncode == 2, result.output
+    assert "engine.name: deepspeed runs under torchrun" in result.output
