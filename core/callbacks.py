@@ -117,7 +117,7 @@ class TrainerCallback:
     def on_save(
         self, config: Config, state: TrainState, control: TrainerControl, path: str, **kwargs: Any
     ) -> None:
-        """A checkpoint was committed at `path`."""
+        """A checkpoint was committed at `path`; `seconds` (keyword) is the save's wall time."""
 
     def on_log(
         self,

@@ -31,6 +31,7 @@ NEUTRAL_FIELDS = {
     "run.output_dir",
     "run.overwrite",
     "run.log_level",
+    "run.report_to",
     "data.num_workers",
     "train.logging_steps",
     "train.progress_bar",

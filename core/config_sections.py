@@ -71,7 +71,7 @@ class RunConfig:
     log_level: str = "info"
     """Logging level: debug, info, warning, error."""
     report_to: list[str] = field(default_factory=lambda: ["jsonl"])
-    """Where rank 0 reports metrics: jsonl (metrics.jsonl), tensorboard (<output_dir>/tensorboard)."""
+    """Metric sinks of rank 0: jsonl (metrics.jsonl), tensorboard (<output_dir>/tensorboard/)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.output_dir), "run.output_dir", "must be a non-empty path")

@@ -39,6 +39,8 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    restart_count: int = 0
+    """How many times torchrun restarted the worker group before this process."""
 
     @property
     def is_main(self) -> bool:
@@ -249,9 +251,10 @@ class TrainLoop:
 
     def _save(self) -> None:
         assert self.checkpointer is not None
+        t0 = time.perf_counter()
         with self.memory.stage("save"):
             path = self.checkpointer.save()
-        self._fire("on_save", path=str(path))
+        self._fire("on_save", path=str(path), seconds=time.perf_counter() - t0)
 
     def _steps_left_in_epoch(self) -> Iterator[list[int]]:
         """Per-rank micro-batch sizes of each optimizer step left in the epoch, as the

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from core.callbacks import TrainerCallback, TrainerControl
 from core.config import Config
@@ -59,21 +62,72 @@ class JsonlMetrics(TrainerCallback):
         self._file.flush()
 
     def on_train_end(self, config: Config, state: TrainState, control: TrainerControl) -> None:
+        self.close()
+
+    def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
+@dataclass
+class Speed:
+    samples_per_second: float | None
+    """Since the previous training record."""
+    eta_s: float | None
+    """Steps left times the mean step time of the records seen so far."""
+
+
+class Throughput:
+    """Speed from consecutive training records (`step`, `samples`, `step_time_s`): the loop's
+    own timings, so the figures agree with metrics.jsonl."""
+
+    def __init__(self, total_steps: int, step: int = 0, samples: int = 0) -> None:
+        self.total_steps = total_steps
+        self.reset(step, samples)
+
+    def reset(self, step: int, samples: int) -> None:
+        """Start counting at (step, samples), e.g. where an attempt resumed."""
+        self._prev = (step, samples)
+        self._seconds = 0.0
+        self._steps = 0
+
+    def update(self, logs: dict[str, Any]) -> Speed:
+        step0, samples0 = self._prev
+        steps = logs["step"] - step0
+        seconds = logs["step_time_s"] * steps
+        self._prev = (logs["step"], logs["samples"])
+        self._seconds += seconds
+        self._steps += steps
+        rate = (logs["samples"] - samples0) / seconds if seconds > 0 else None
+        eta = None
+        if self._steps > 0:
+            eta = max(0, self.total_steps - logs["step"]) * self._seconds / self._steps
+        return Speed(rate, eta)
+
+
+def format_eta(seconds: float | None) -> str:
+    return "?" if seconds is None else tqdm.format_interval(seconds)
+
+
 class Progress(TrainerCallback):
-    """A tqdm bar on a terminal (or when forced), plain log lines at each log step otherwise."""
+    """A tqdm bar on a terminal (or when forced), plain log lines at each log step otherwise.
+
+    While the bar is up, log records go through `tqdm.write` (logging_redirect_tqdm), so they
+    print above the bar instead of through it.
+    """
 
     def __init__(self, total_steps: int, mode: str = "auto") -> None:
         self.total_steps = total_steps
         self.use_bar = mode == "always" or (mode == "auto" and sys.stderr.isatty())
         self._bar: tqdm | None = None
+        self._speed = Throughput(total_steps)
+        self._redirect = ExitStack()
 
     def on_train_begin(self, config: Config, state: TrainState, control: TrainerControl) -> None:
+        self._speed.reset(state.global_step, state.samples_seen)
         if self.use_bar:
+            self._redirect.enter_context(logging_redirect_tqdm())
             self._bar = tqdm(
                 total=self.total_steps, initial=state.global_step, unit="step", dynamic_ncols=True
             )
@@ -95,20 +149,33 @@ class Progress(TrainerCallback):
         elif "loss" not in logs:  # an evaluation record
             evals = " ".join(f"{k} {v:.4g}" for k, v in logs.items() if k.startswith("eval_"))
             logger.info("step %d/%d %s", logs["step"], self.total_steps, evals)
-        elif self._bar is not None:
-            self._bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}", refresh=False)
         else:
+            speed = self._speed.update(logs)
+            rate = speed.samples_per_second
+            if self._bar is not None:
+                postfix = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs['lr']:.2e}"}
+                if rate is not None:
+                    postfix["samples/s"] = f"{rate:.1f}"
+                self._bar.set_postfix(postfix, refresh=False)
+                return
             logger.info(
-                "step %d/%d loss %.4f lr %.3e epoch %.2f %.3f s/step",
+                "step %d/%d loss %.4f lr %.3e epoch %.2f %.3f s/step %s samples/s ETA %s",
                 logs["step"],
                 self.total_steps,
                 logs["loss"],
                 logs["lr"],
                 logs["epoch"],
                 logs["step_time_s"],
+                "?" if rate is None else f"{rate:.1f}",
+                format_eta(speed.eta_s),
             )
 
     def on_train_end(self, config: Config, state: TrainState, control: TrainerControl) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the bar and give the console back to the log handlers (idempotent)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        self._redirect.close()

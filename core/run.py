@@ -28,9 +28,9 @@ from core.evaluation import evaluate
 from core.loop import DistInfo, TrainLoop, plan_steps
 from core.losses import LabelSmoother, compute_loss
 from core.memory import StageMemory
-from core.metrics import JsonlMetrics, Progress
 from core.models import build_model, call_model
 from core.optim import build_optimizer, parameter_groups
+from core.reporting import build_reporters
 from core.sampler import ResumableDistributedSampler
 from core.schedules import Schedule, build_schedule
 from core.seeding import enable_full_determinism, set_seed
@@ -277,10 +277,9 @@ def build_trainer(
     )
     reporters: list[TrainerCallback] = []
     if dist_info.is_main:
-        reporters = [
-            JsonlMetrics(config.run.output_dir),
-            Progress(total_steps, config.train.progress_bar),
-        ]
+        reporters = build_reporters(
+            config, total_steps, dist_info.world_size, dist_info.restart_count
+        )
     return TrainLoop(
         config,
         engine,

@@ -29,6 +29,7 @@ from core.callbacks import TrainerCallback
 from core.config import Config, dump_config, load_config
 from core.loop import DistInfo, TrainLoop
 from core.memory import StageMemory
+from core.reporting import finish_attempt
 from core.run import UserParts, build_trainer
 from core.state import TrainState
 
@@ -144,7 +145,13 @@ class Trainer:
             out = Path(config.run.output_dir)
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.yaml").write_text(dump_config(config))
-        return self.loop.train()
+        try:
+            state = self.loop.train()
+        except BaseException as e:  # recorded in history.jsonl, then re-raised
+            finish_attempt(self.loop.callbacks, self.loop.state.global_step, error=e)
+            raise
+        finish_attempt(self.loop.callbacks, state.global_step, preempted=self.loop.preempted)
+        return state
 
     def _train_searching_batch(self, config: Config) -> TrainState:
         """auto_find_batch_size: start at the size a resumed checkpoint recorded, else search

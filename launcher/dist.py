@@ -28,6 +28,11 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def env_restart_count() -> int:
+    """torchrun's count of worker-group restarts so far (0 without torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store, with a key prefix per torchrun restart attempt.
 
@@ -45,8 +50,7 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
         timeout=timeout,
         wait_for_workers=False,
     )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"launcher/attempt-{attempt}", store)
+    return dist.PrefixStore(f"launcher/attempt-{env_restart_count()}", store)
 
 
 def init_distributed(cfg: EngineConfig, timeout_s: float = 1800.0) -> DistContext:
@@ -77,7 +81,8 @@ def init_distributed(cfg: EngineConfig, timeout_s: float = 1800.0) -> DistContex
             timeout=timeout,
             device_id=device if backend == "nccl" else None,
         )
-    return DistContext(DistInfo(rank, world_size, local_rank), device, backend)
+    info = DistInfo(rank, world_size, local_rank, env_restart_count())
+    return DistContext(info, device, backend)
 
 
 def destroy_distributed(clean: bool) -> None:

@@ -38,7 +38,7 @@ def test_public_cli_surface_is_pinned():
         for name, cls in typing.get_type_hints(Config).items()
     }
     assert surface == {
-        "run": ["output_dir", "seed", "full_determinism", "overwrite", "log_level"],
+        "run": ["output_dir", "seed", "full_determinism", "overwrite", "log_level", "report_to"],
         "model": [
             "name",
             "n_layer",

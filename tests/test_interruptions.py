@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from checkpointing.manifest import list_checkpoints, verify
+from core.history import AttemptStart, read_history
 from tests.checkpoints import assert_same_checkpoint, assert_same_losses
 from tests.launch import child_env, kill_tree, launcher_cmd, read_metrics, run_launcher
 
@@ -171,5 +172,7 @@ def test_torchrun_max_restarts_resumes_after_a_worker_crash(tmp_path):
     assert proc.returncode == 0, out
     assert marker.exists() and "injected crash on rank 1" in out
     assert "resumed from" in out
+    starts = [r for r in read_history(run_dir) if isinstance(r, AttemptStart)]
+    assert [(s.cause, s.restart_count) for s in starts] == [("fresh", 0), ("restarted", 1)]
     assert_same_losses(ref, run_dir)
     assert_same_checkpoint(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")

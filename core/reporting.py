@@ -1,0 +1,45 @@
+"""What rank 0 reports while a run trains, and how an attempt's end is recorded.
+
+`build_reporters` assembles the callbacks (`run.report_to`, the history, the progress display);
+`finish_attempt` is called by the Trainer once training returned or raised, because only it
+sees the exception or the preemption.
+"""
+
+from __future__ import annotations
+
+from core.callbacks import CallbackHandler, TrainerCallback
+from core.config import Config
+from core.history import RunHistory
+from core.metrics import JsonlMetrics, Progress
+from core.tensorboard import TensorBoardReporter
+
+
+def build_reporters(
+    config: Config, total_steps: int, world_size: int, restart_count: int = 0
+) -> list[TrainerCallback]:
+    """Rank 0's reporters, in firing order (call this on rank 0 only)."""
+    out_dir = config.run.output_dir
+    reporters: list[TrainerCallback] = []
+    if "jsonl" in config.run.report_to:
+        reporters.append(JsonlMetrics(out_dir))
+    if "tensorboard" in config.run.report_to:
+        reporters.append(TensorBoardReporter(out_dir, total_steps))
+    reporters.append(RunHistory(out_dir, world_size, total_steps, restart_count))
+    reporters.append(Progress(total_steps, config.train.progress_bar))
+    return reporters
+
+
+def finish_attempt(
+    callbacks: CallbackHandler,
+    step: int,
+    preempted: bool = False,
+    error: BaseException | None = None,
+) -> None:
+    """Record the attempt's end in the history; after an error also close the reporters that
+    on_train_end would have closed (files, the progress bar and its log redirection)."""
+    reason = "error" if error is not None else "preempted" if preempted else "done"
+    for cb in callbacks.callbacks:
+        if isinstance(cb, RunHistory):
+            cb.end(step, reason, error)
+        elif error is not None and isinstance(cb, JsonlMetrics | Progress | TensorBoardReporter):
+            cb.close()
