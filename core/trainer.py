@@ -23,7 +23,7 @@ from torch import nn
 
 from checkpointing.comm import control_group
 from checkpointing.manager import CheckpointManager
-from checkpointing.serialize import load_state
+from checkpointing.serialize import load_state, write_safetensors
 from core.autobatch import SEARCH_STEPS, halved, is_oom, release_memory, with_batch
 from core.callbacks import TrainerCallback
 from core.config import Config, dump_config, load_config
@@ -193,6 +193,21 @@ class Trainer:
         if state.get("per_device_batch_size") is None:
             return None
         return state["per_device_batch_size"], state["gradient_accumulation_steps"]
+
+    def save_model(self, output_dir: str | Path | None = None) -> Path | None:
+        """Write the trained model's full weights (ZeRO shards gathered, fp32 master values
+        under DeepSpeed) to `<output_dir>/model.safetensors` (default: run.output_dir), as the
+        export command does from a checkpoint. A collective: call it on every rank; rank 0
+        writes and gets the path, the others None."""
+        if self.loop is None:
+            raise RuntimeError("save_model: nothing trained yet; call train() first")
+        tensors = self.loop.engine.full_state_dict()
+        if not self.dist_info.is_main:
+            return None
+        out = Path(output_dir or self.args.run.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
+        return out / "model.safetensors"
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate the current model on eval_dataset (every rank; the same dict on each)."""

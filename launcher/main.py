@@ -28,6 +28,9 @@ def parse_args(argv: list[str] | None) -> tuple[str | None, list[str]]:
         "overridden as --section.key VALUE (e.g. --train.max_steps 50).",
     )
     parser.add_argument("--config", help="YAML config file (default: configs/tiny.yaml)")
+    # The `deepspeed` launcher appends --local_rank=N (unless --no_local_rank); LOCAL_RANK in
+    # the environment says the same, and that is what we read.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args(argv)
     return args.config, overrides
 

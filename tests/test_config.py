@@ -87,7 +87,7 @@ def test_public_cli_surface_is_pinned():
             "greater_is_better",
             "load_best_model_at_end",
         ],
-        "engine": ["name", "backend", "device", "find_unused_parameters"],
+        "engine": ["name", "backend", "device", "find_unused_parameters", "deepspeed_config"],
     }
 
 

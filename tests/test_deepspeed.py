@@ -22,6 +22,7 @@ from checkpointing.manifest import list_checkpoints, read_manifest, verify
 from core.config import ConfigError, load_config
 from core.engines.deepspeed import resolve_deepspeed_config
 from tests.checkpoints import assert_same_losses, assert_tensors_equal, seed_resume_dir
+from tests.conftest import free_port
 from tests.launch import REPO, SMALL, kill_tree, launcher_cmd, read_metrics, run, run_launcher
 from tests.test_interruptions import logged_steps, saving, start, wait_for
 
@@ -267,3 +268,23 @@ def test_a_single_process_without_torchrun_gets_a_clear_error(tmp_path):
     result = run_launcher(tmp_path / "run", None, *ds_args(1))
     assert result.returncode == 2, result.output
     assert "engine.name: deepspeed runs under torchrun" in result.output
+
+
+def test_the_deepspeed_launcher_runs_the_same_job(tmp_path):
+    """`deepspeed --module launcher` (it appends --local_rank=N) trains what torchrun trains."""
+    args = (*ds_args(2), "--train.max_steps", "6")
+    ref = tmp_path / "torchrun"
+    result = run_launcher(ref, 2, *args)
+    assert result.returncode == 0, result.output
+    run_dir = tmp_path / "deepspeed"
+    cmd = [
+        *(str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2"),
+        *("--master_port", str(free_port()), "--module", "launcher"),
+        *("--config", str(REPO / "configs" / "tiny.yaml"), "--run.output_dir", str(run_dir)),
+        *args,
+    ]
+    result = run(cmd, cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    assert "--local_rank=1" in result.output
+    assert_same_losses(ref, run_dir)
+    assert_same_weights(ref / "checkpoint-6", run_dir / "checkpoint-6")
