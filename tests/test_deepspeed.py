@@ -86,6 +86,17 @@ def test_export_equals_the_live_model(reference):
     live = load_file(ref / "live" / "model.safetensors")
     exported = export(ref / f"checkpoint-{STEPS}", ref.parent / "export.safetensors")
     assert_tensors_equal(exported, live, f"zero{stage} export")
+    # Export verifies before DeepSpeed unpickles anything: a flipped bit is refused.
+    bad = ref.parent / "corrupt"
+    shutil.copytree(ref / f"checkpoint-{STEPS}", bad)
+    shard = next(bad.rglob("mp_rank_00_model_states.pt"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    cmd = [sys.executable, "-m", "checkpointing", "export", str(bad), str(bad / "w.safetensors")]
+    result = run(cmd, cwd=ref.parent, timeout=120)
+    assert result.returncode == 1 and "sha256 differs" in result.output, result.output
+    assert not (bad / "w.safetensors").exists()
     # Sharded for real: every rank wrote its own optimizer partition.
     shards = sorted(p.name for p in (ref / f"checkpoint-{STEPS}" / "deepspeed").rglob("*.pt"))
     assert sum("optim_states" in s for s in shards) == 2, shards
