@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/loop_overhead.py
 	$(BIN)/python bench/checkpoint_save.py
 	$(BIN)/python bench/resume_jump.py
+	$(BIN)/python bench/deepspeed_save.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

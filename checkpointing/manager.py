@@ -162,13 +162,21 @@ class CheckpointManager:
 
     def _hash_share(self, tmp: Path, directories: list[str]) -> dict[str, FileDigest]:
         """fsync and hash this rank's share of the files under `directories` (written by an
-        engine's own save, which neither syncs nor records them): file i goes to rank i mod
-        world, so the reading is spread over the ranks whoever wrote what."""
-        files = sorted(p for d in directories for p in (tmp / d).rglob("*") if p.is_file())
-        return {
-            p.relative_to(tmp).as_posix(): sync_and_digest(p)
-            for p in files[self.rank :: self.world_size]
-        }
+        engine's own save, which neither syncs nor records them). Every rank sees the same
+        files and sizes, so each computes the same split: largest first, to the rank with the
+        fewest bytes so far, spreading the reading over the ranks whoever wrote what."""
+        files = [p for d in directories for p in (tmp / d).rglob("*") if p.is_file()]
+        sized = sorted(
+            ((p.stat().st_size, p.relative_to(tmp).as_posix()) for p in files), reverse=True
+        )
+        load = [0] * self.world_size
+        mine = []
+        for size, rel in sized:
+            r = min(range(self.world_size), key=lambda i: (load[i], i))
+            load[r] += size
+            if r == self.rank:
+                mine.append(rel)
+        return {rel: sync_and_digest(tmp / rel) for rel in mine}
 
     def _commit(self, tmp: Path, final: Path) -> None:
         if final.exists():
