@@ -46,8 +46,12 @@ def plot_runs(run_dirs: list[Path], output: Path) -> None:
         except ValueError as e:
             raise ReportError(str(e)) from e
         steps = [r["step"] for r in records]
-        (line,) = ax_loss.plot(steps, [r["loss"] for r in records], color=color, label=str(run_dir))
-        ax_lr.plot(steps, [r["lr"] for r in records], color=color)
+        # Later runs thinner and on top, so identical curves still show both colours.
+        width = max(0.8, 2.4 - 0.8 * i)
+        (line,) = ax_loss.plot(
+            steps, [r["loss"] for r in records], color=color, lw=width, label=str(run_dir)
+        )
+        ax_lr.plot(steps, [r["lr"] for r in records], color=color, lw=width)
         handles.append(line)
         commits = sorted({r.step for r in history if isinstance(r, CheckpointCommit)})
         resumes = [r for r in history if isinstance(r, AttemptStart) and r.attempt > 1]
