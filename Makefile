@@ -11,6 +11,8 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 NPROC ?= 2
 CONFIG ?= configs/tiny.yaml
+# Every dependency but torch is pinned by the lock the images use; LOCK= installs from ranges.
+LOCK ?= docker/requirements.lock
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -19,12 +21,12 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml docker/requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || \
 		$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q $(if $(LOCK),-c $(LOCK)) -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
