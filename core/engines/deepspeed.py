@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -33,8 +32,6 @@ from core.engines.base import Engine
 from core.engines.ddp import move_to_device
 from core.models import call_model
 from core.schedules import Schedule
-
-logger = logging.getLogger(__name__)
 
 TAG = "shards"
 """The tag (sub-directory) DeepSpeed saves under, inside the checkpoint's `deepspeed/`."""
@@ -132,9 +129,6 @@ class _DeepSpeedSchedule(Schedule):
     def step(self) -> None:
         pass
 
-    def last_lr(self) -> float:
-        return float(self.scheduler.optimizer.param_groups[0]["lr"])
-
 
 class DeepSpeedEngine(Engine):
     def __init__(
@@ -162,9 +156,8 @@ class DeepSpeedEngine(Engine):
         _skip_shm_op_build()
         self.device = device
         self._loss_fn = loss_fn
-        self._ds_config = ds_config
         params = [p for p in model.parameters() if p.requires_grad]
-        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+        engine, _, _, ds_scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
             model_parameters=params if optimizer is None else None,
@@ -180,12 +173,6 @@ class DeepSpeedEngine(Engine):
         else:
             self.schedule = _DeepSpeedSchedule(ds_scheduler)
         self._zero_stage = engine.zero_optimization_stage()
-        self._clipping = float(ds_config["gradient_clipping"]) > 0
-        logger.debug("DeepSpeed ZeRO stage %d, wrapper %s", self._zero_stage, type(ds_optimizer))
-
-    @property
-    def zero_stage(self) -> int:
-        return self._zero_stage
 
     @property
     def model(self) -> nn.Module:
@@ -209,11 +196,11 @@ class DeepSpeedEngine(Engine):
         self._ds.backward(scaled, scale_wrt_gas=False)
 
     def optimizer_step(self, max_grad_norm: float) -> torch.Tensor | None:
-        # DeepSpeed clips (gradient_clipping = train.max_grad_norm), steps and zeroes.
+        # DeepSpeed clips (its gradient_clipping is this max_grad_norm), steps and zeroes.
         self._ds.step()
         if self._own_schedule:
             self.schedule.step()
-        if not self._clipping:
+        if max_grad_norm <= 0:
             return None
         norm = self._ds.get_global_grad_norm()
         return None if norm is None else torch.as_tensor(float(norm))
