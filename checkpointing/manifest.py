@@ -11,7 +11,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -52,12 +52,19 @@ class Manifest:
         return sum(f["size"] for f in self.files.values())
 
 
-def sha256_file(path: Path) -> str:
+def digest_stream(f: BinaryIO) -> tuple[int, str]:
+    """(bytes read, hex sha256) of what is left in an open binary file."""
     h = hashlib.sha256()
+    size = 0
+    while chunk := f.read(_CHUNK):
+        h.update(chunk)
+        size += len(chunk)
+    return size, h.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
     with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+        return digest_stream(f)[1]
 
 
 def read_manifest(directory: str | Path) -> Manifest:

@@ -23,6 +23,8 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
+from checkpointing.manifest import digest_stream
+
 TENSOR, TUPLE, DICT = "__tensor__", "__tuple__", "__dict__"
 _MARKERS = (TENSOR, TUPLE, DICT)
 _SCALARS = (bool, int, float, str, type(None))
@@ -276,14 +278,10 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def sync_and_digest(path: Path) -> FileDigest:
     """fsync a file another writer left (reading it once for the sha256 on the way)."""
-    h = hashlib.sha256()
-    size = 0
     with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-            size += len(chunk)
+        size, sha256 = digest_stream(f)
         os.fsync(f.fileno())
-    return FileDigest(size, h.hexdigest())
+    return FileDigest(size, sha256)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
