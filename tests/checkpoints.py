@@ -58,6 +58,13 @@ def assert_same_losses(a: Path, b: Path) -> None:
     ]
 
 
+def flip_byte(p: Path) -> None:
+    """Flip one bit in the middle of a file (its size stays the same)."""
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
 def seed_resume_dir(src: Path, dst: Path, step: int) -> None:
     """A run dir holding only `checkpoint-<step>` of src, and src's whole metrics.jsonl (so the
     resumed run must truncate it)."""

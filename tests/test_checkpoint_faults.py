@@ -18,6 +18,7 @@ from core.checkpoint import ResumeMismatchError
 from core.config import load_config
 from core.loop import DistInfo
 from core.run import build_trainer
+from tests.checkpoints import flip_byte
 from tests.launch import SMALL as SMALL_RUN
 
 SMALL = [*SMALL_RUN, "--train.max_steps", "8", "--checkpoint.save_steps", "4"]
@@ -61,12 +62,6 @@ def rehash(checkpoint: Path, rel: str) -> None:
 
 def truncate(p: Path) -> None:
     p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
-
-
-def flip_byte(p: Path) -> None:
-    data = bytearray(p.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    p.write_bytes(bytes(data))
 
 
 CORRUPTIONS = {

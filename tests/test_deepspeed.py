@@ -21,7 +21,12 @@ from safetensors.torch import load_file
 from checkpointing.manifest import list_checkpoints, read_manifest, verify
 from core.config import ConfigError, load_config
 from core.engines.deepspeed import resolve_deepspeed_config
-from tests.checkpoints import assert_same_losses, assert_tensors_equal, seed_resume_dir
+from tests.checkpoints import (
+    assert_same_losses,
+    assert_tensors_equal,
+    flip_byte,
+    seed_resume_dir,
+)
 from tests.conftest import free_port
 from tests.launch import REPO, SMALL, kill_tree, launcher_cmd, read_metrics, run, run_launcher
 from tests.test_interruptions import logged_steps, saving, start, wait_for
@@ -65,6 +70,16 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert_tensors_equal(wa, wb, "weights")
 
 
+def finish_like(ref: Path, run_dir: Path, args: tuple[str, ...]) -> str:
+    """Relaunch `run_dir` to the end; its losses and final consolidated weights must equal the
+    uninterrupted `ref`'s. Returns the run's output."""
+    result = run_launcher(run_dir, 2, *args)
+    assert result.returncode == 0, result.output
+    assert_same_losses(ref, run_dir)
+    assert_same_weights(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+    return result.output
+
+
 @pytest.fixture(scope="module", params=STAGES, ids=lambda s: f"zero{s}")
 def reference(request, tmp_path_factory) -> tuple[int, Path]:
     """An uninterrupted run per stage, through the worker that also saves the live model."""
@@ -89,10 +104,7 @@ def test_export_equals_the_live_model(reference):
     # Export verifies before DeepSpeed unpickles anything: a flipped bit is refused.
     bad = ref.parent / "corrupt"
     shutil.copytree(ref / f"checkpoint-{STEPS}", bad)
-    shard = next(bad.rglob("*optim_states.pt"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 3] ^= 0x01
-    shard.write_bytes(bytes(data))
+    flip_byte(next(bad.rglob("*optim_states.pt")))
     cmd = [sys.executable, "-m", "checkpointing", "export", str(bad), str(bad / "w.safetensors")]
     result = run(cmd, cwd=ref.parent, timeout=120)
     assert result.returncode == 1 and "sha256 differs" in result.output, result.output
@@ -106,11 +118,8 @@ def test_resume_after_a_clean_stop_is_exact(tmp_path, reference):
     stage, ref = reference
     run_dir = tmp_path / "run"
     seed_resume_dir(ref, run_dir, 16)
-    result = run_launcher(run_dir, 2, *ds_args(stage))
-    assert result.returncode == 0, result.output
-    assert f"resumed from {run_dir / 'checkpoint-16'}" in result.output
-    assert_same_losses(ref, run_dir)
-    assert_same_weights(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+    output = finish_like(ref, run_dir, ds_args(stage))
+    assert f"resumed from {run_dir / 'checkpoint-16'}" in output
 
 
 def test_sigkill_at_random_moments_including_mid_save(tmp_path, reference):
@@ -132,10 +141,7 @@ def test_sigkill_at_random_moments_including_mid_save(tmp_path, reference):
         for _, path in list_checkpoints(run_dir):
             verify(path)  # a checkpoint-<step> that exists is always complete
     assert hits == 2, "the run ended before a kill: the test tested nothing"
-    result = run_launcher(run_dir, 2, *ds_args(stage))
-    assert result.returncode == 0, result.output
-    assert_same_losses(ref, run_dir)
-    assert_same_weights(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+    finish_like(ref, run_dir, ds_args(stage))
 
 
 def test_sigterm_commits_and_resumes_exactly(tmp_path, reference):
@@ -153,11 +159,7 @@ def test_sigterm_commits_and_resumes_exactly(tmp_path, reference):
     assert "preempted at step" in out, out
     (step, path), *_ = list_checkpoints(run_dir)
     assert 5 <= step < STEPS and verify(path).engine == "deepspeed"
-    result = run_launcher(run_dir, 2, *args)
-    assert result.returncode == 0, result.output
-    assert f"resumed from {path}" in result.output
-    assert_same_losses(ref, run_dir)
-    assert_same_weights(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+    assert f"resumed from {path}" in finish_like(ref, run_dir, args)
 
 
 def test_corrupt_shard_is_caught_and_the_previous_checkpoint_used(tmp_path, reference):
@@ -165,16 +167,11 @@ def test_corrupt_shard_is_caught_and_the_previous_checkpoint_used(tmp_path, refe
     run_dir = tmp_path / "run"
     seed_resume_dir(ref, run_dir, 16)
     shutil.copytree(ref / "checkpoint-20", run_dir / "checkpoint-20")
-    shard = next((run_dir / "checkpoint-20" / "deepspeed").rglob("zero_pp_rank_1_*optim_states.pt"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01  # one bit, in the middle of rank 1's optimizer partition
-    shard.write_bytes(bytes(data))
-    result = run_launcher(run_dir, 2, *ds_args(stage))
-    assert result.returncode == 0, result.output
-    assert "skipping checkpoint-20" in result.output and "sha256" in result.output
-    assert f"resumed from {run_dir / 'checkpoint-16'}" in result.output
-    assert_same_losses(ref, run_dir)
-    assert_same_weights(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+    # One bit, in the middle of rank 1's optimizer partition.
+    flip_byte(next((run_dir / "checkpoint-20").rglob("zero_pp_rank_1_*optim_states.pt")))
+    output = finish_like(ref, run_dir, ds_args(stage))
+    assert "skipping checkpoint-20" in output and "sha256" in output
+    assert f"resumed from {run_dir / 'checkpoint-16'}" in output
 
 
 # -- single configurations ---------------------------------------------------------------------
@@ -184,10 +181,7 @@ def _ref_and_resume(tmp_path: Path, args: tuple[str, ...], step: int) -> tuple[P
     assert result.returncode == 0, result.output
     run_dir = tmp_path / "run"
     seed_resume_dir(ref, run_dir, step)
-    result = run_launcher(run_dir, 2, *args)
-    assert result.returncode == 0, result.output
-    assert_same_losses(ref, run_dir)
-    assert_same_weights(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+    finish_like(ref, run_dir, args)
     return ref, run_dir
 
 

@@ -10,6 +10,7 @@ import pytest
 from checkpointing.manager import CheckpointManager, Entry
 from checkpointing.manifest import CheckpointCorruptError, verify
 from checkpointing.stateful import DirectoryState
+from tests.checkpoints import flip_byte
 
 
 class Blobs:
@@ -59,10 +60,7 @@ def test_directory_files_are_in_the_manifest(tmp_path):
 
 def test_a_flipped_bit_in_a_directory_file_fails_verification(tmp_path):
     path = save(tmp_path, Blobs(b"abc" * 1000))
-    shard = path / "engine" / "tag" / "shard-0.pt"
-    data = bytearray(shard.read_bytes())
-    data[1500] ^= 0x01
-    shard.write_bytes(bytes(data))
+    flip_byte(path / "engine" / "tag" / "shard-0.pt")
     with pytest.raises(CheckpointCorruptError, match="shard-0.pt: sha256 differs"):
         verify(path)
 
