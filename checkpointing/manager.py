@@ -24,6 +24,7 @@ from checkpointing.manifest import (
     CheckpointError,
     Manifest,
     list_checkpoints,
+    list_committed,
     read_manifest,
     verify,
 )
@@ -232,7 +233,7 @@ class CheckpointManager:
 
     def committed(self) -> list[tuple[int, Path]]:
         """Checkpoints whose manifest exists (not verified), newest first."""
-        return [(s, p) for s, p in list_checkpoints(self.root) if (p / MANIFEST).is_file()]
+        return list_committed(self.root)
 
     def resolve(self, resume_from: str) -> tuple[Path, Manifest] | None:
         """The verified checkpoint to resume (rank 0 decides, every rank gets the answer).

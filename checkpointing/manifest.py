@@ -114,3 +114,8 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         return []
     found = [(s, p) for p in root.iterdir() if (s := checkpoint_step(p)) is not None]
     return sorted(found, reverse=True)
+
+
+def list_committed(root: str | Path) -> list[tuple[int, Path]]:
+    """The checkpoints under root whose manifest exists (not verified), newest first."""
+    return [(s, p) for s, p in list_checkpoints(root) if (p / MANIFEST).is_file()]

@@ -10,8 +10,6 @@ from pathlib import Path
 from launcher import exit_codes
 from launcher.status import ReportError, status_main
 
-COMMANDS = ("plot", "status")
-
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher")

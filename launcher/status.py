@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from checkpointing.manifest import MANIFEST, CheckpointError, list_checkpoints, read_manifest
+from checkpointing.manifest import CheckpointError, list_committed, read_manifest
 from core.history import AttemptEnd, AttemptStart, read_history, read_jsonl
 from core.metrics import METRICS_FILE, Throughput, format_eta
 
@@ -77,7 +77,7 @@ def attempts_of(run_dir: Path) -> list[Attempt]:
 
 def _newest_checkpoint(run_dir: Path) -> tuple[int, str, float, int | None, int]:
     """(step, name, created, total_steps, count) of the newest committed checkpoint."""
-    committed = [(s, p) for s, p in list_checkpoints(run_dir) if (p / MANIFEST).is_file()]
+    committed = list_committed(run_dir)
     for step, path in committed:
         try:
             m = read_manifest(path)
