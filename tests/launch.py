@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,3 +116,43 @@ def read_metrics(run_dir: Path, summary: bool = False) -> list[dict]:
     """metrics.jsonl records; the closing summary line (train_runtime...) only if asked."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if summary or "train_runtime" not in r]
+
+
+def start(
+    run_dir: Path, nproc: int | None, *args: str, torchrun_args: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    cmd = launcher_cmd(
+        nproc, ["--run.output_dir", str(run_dir), "--train.progress_bar", "never", *args]
+    )
+    if torchrun_args:
+        cmd[1:1] = list(torchrun_args)
+    return subprocess.Popen(
+        cmd,
+        cwd=run_dir.parent,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> bool:
+    """Poll until predicate() or the process ends; True if the predicate held."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.005)
+    raise TimeoutError("the run neither reached the point nor ended")
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def saving(run_dir: Path) -> bool:
+    return any(run_dir.glob(".tmp-checkpoint-*"))

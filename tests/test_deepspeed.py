@@ -28,8 +28,19 @@ from tests.checkpoints import (
     seed_resume_dir,
 )
 from tests.conftest import free_port
-from tests.launch import REPO, SMALL, kill_tree, launcher_cmd, read_metrics, run, run_launcher
-from tests.test_interruptions import logged_steps, saving, start, wait_for
+from tests.launch import (
+    REPO,
+    SMALL,
+    kill_tree,
+    launcher_cmd,
+    logged_steps,
+    read_metrics,
+    run,
+    run_launcher,
+    saving,
+    start,
+    wait_for,
+)
 
 pytest.importorskip("deepspeed")
 

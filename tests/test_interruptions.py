@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -14,7 +13,15 @@ import pytest
 from checkpointing.manifest import list_checkpoints, verify
 from core.history import AttemptStart, read_history
 from tests.checkpoints import assert_same_checkpoint, assert_same_losses
-from tests.launch import child_env, kill_tree, launcher_cmd, read_metrics, run_launcher
+from tests.launch import (
+    kill_tree,
+    logged_steps,
+    read_metrics,
+    run_launcher,
+    saving,
+    start,
+    wait_for,
+)
 
 STEPS = 30
 ARGS = (
@@ -35,46 +42,6 @@ def reference(tmp_path_factory) -> Path:
     result = run_launcher(ref, 2, *ARGS)
     assert result.returncode == 0, result.output
     return ref
-
-
-def start(
-    run_dir: Path, nproc: int | None, *args: str, torchrun_args: tuple[str, ...] = ()
-) -> subprocess.Popen:
-    cmd = launcher_cmd(
-        nproc, ["--run.output_dir", str(run_dir), "--train.progress_bar", "never", *args]
-    )
-    if torchrun_args:
-        cmd[1:1] = list(torchrun_args)
-    return subprocess.Popen(
-        cmd,
-        cwd=run_dir.parent,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> bool:
-    """Poll until predicate() or the process ends; True if the predicate held."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        if proc.poll() is not None:
-            return False
-        time.sleep(0.005)
-    raise TimeoutError("the run neither reached the point nor ended")
-
-
-def logged_steps(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def saving(run_dir: Path) -> bool:
-    return any(run_dir.glob(".tmp-checkpoint-*"))
 
 
 def assert_every_checkpoint_valid(run_dir: Path) -> None:

@@ -18,8 +18,17 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from checkpointing.manifest import list_checkpoints, read_manifest
 from core.history import AttemptEnd, AttemptStart, CheckpointCommit, read_history
 from launcher.status import format_status, run_status
-from tests.launch import REPO, SMALL, child_env, kill_tree, read_metrics, run_launcher
-from tests.test_interruptions import logged_steps, start, wait_for
+from tests.launch import (
+    REPO,
+    SMALL,
+    child_env,
+    kill_tree,
+    logged_steps,
+    read_metrics,
+    run_launcher,
+    start,
+    wait_for,
+)
 
 STEPS = 40
 ARGS = (
