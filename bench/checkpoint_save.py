@@ -50,9 +50,10 @@ def train(steps: int) -> tuple[TinyGPT, torch.optim.Optimizer]:
 
 def save(manager: CheckpointManager, step: int, entries: dict[str, Entry]) -> tuple[float, int]:
     t0 = time.perf_counter()
-    path = manager.save(
+    (saved,) = manager.save(
         step, entries, trajectory={}, config_fingerprint="bench", checks={}, rank_checks={}
     )
+    path = Path(saved.location)
     seconds = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     shutil.rmtree(path)

@@ -114,7 +114,8 @@ def worker(args: argparse.Namespace) -> None:
         return root / "synced"
 
     def ours(rep: int) -> Path:
-        return manager.save(rep, entries, {}, "bench", checks={}, rank_checks={})
+        (saved,) = manager.save(rep, entries, {}, "bench", checks={}, rank_checks={})
+        return Path(saved.location)
 
     sides = {"bare": bare, "fsynced": fsynced, "ours": ours}
     times: dict[str, list[float]] = {name: [] for name in sides}

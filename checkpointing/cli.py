@@ -8,11 +8,13 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from checkpointing.deepspeed_files import deepspeed_weights
 from checkpointing.manager import TMP_PREFIX
 from checkpointing.manifest import CheckpointError, list_checkpoints, verify
 from checkpointing.serialize import load_state, write_safetensors
+from checkpointing.storage import Storage, open_storage
 
 
 def _age(seconds: float) -> str:
@@ -22,25 +24,28 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def _size(storage: Storage) -> int:
+    return sum(storage.size(rel) for rel in storage.files())
 
 
-def cmd_list(root: Path) -> int:
+def cmd_list(root: Storage) -> int:
     rows = []
-    for step, path in list_checkpoints(root):
+    for step, name in list_checkpoints(root):
+        where = root.child(name)
         try:
-            manifest = verify(path)
+            manifest = verify(where)
             status, detail = "committed", f"world {manifest.world_size}, {manifest.engine}"
             age = _age(time.time() - manifest.created)
         except CheckpointError as e:
             status = "incomplete" if "no manifest" in str(e) else "corrupt"
             detail, age = str(e), "-"
-        rows.append((path.name, status, step, _size(path), age, detail))
-    for tmp in sorted(root.glob(f"{TMP_PREFIX}*")):
-        rows.append((tmp.name, "incomplete", -1, _size(tmp), "-", "an interrupted save"))
+        rows.append((name, status, step, _size(where), age, detail))
+    for name in root.listdir():
+        if name.startswith(TMP_PREFIX):
+            size = _size(root.child(name))
+            rows.append((name, "incomplete", -1, size, "-", "an interrupted save"))
     if not rows:
-        print(f"no checkpoints in {root}")
+        print(f"no checkpoints in {root.display()}")
         return 0
     print(f"{'name':<24} {'status':<11} {'step':>8} {'size MB':>9} {'age':>7}  detail")
     for name, status, step, size, age, detail in rows:
@@ -49,29 +54,34 @@ def cmd_list(root: Path) -> int:
     return 0
 
 
-def cmd_verify(path: Path) -> int:
+def cmd_verify(where: Storage) -> int:
     try:
-        manifest = verify(path)
+        manifest = verify(where)
     except CheckpointError as e:
         print(f"FAILED {e}", file=sys.stderr)
         return 1
     print(
-        f"OK {path}: step {manifest.step}, {len(manifest.files)} files, "
+        f"OK {where.display()}: step {manifest.step}, {len(manifest.files)} files, "
         f"{manifest.total_bytes / 1e6:.1f} MB, sha256 verified"
     )
     return 0
 
 
-def cmd_export(path: Path, out: Path) -> int:
+def cmd_export(where: Storage, out: Path) -> int:
     """Model weights only, every parameter and buffer under its own name (tied weights
     written under each name), for inference. A DeepSpeed checkpoint's ZeRO shards are
     consolidated into full fp32 weights first."""
     try:
-        manifest = verify(path)
+        manifest = verify(where)
         if manifest.engine == "deepspeed":
-            state = deepspeed_weights(path, manifest)
+            local = where.local_path()
+            if local is None:
+                raise CheckpointError(
+                    f"{where.display()}: export a DeepSpeed checkpoint from a local copy"
+                )
+            state = deepspeed_weights(local, manifest)
         else:
-            state = load_state(path, "model")
+            state = load_state(where, "model", manifest.files)
     except CheckpointError as e:
         print(f"FAILED {e}", file=sys.stderr)
         return 1
@@ -93,17 +103,35 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m checkpointing")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("list", help="checkpoints in a run directory and their status")
-    p.add_argument("dir", type=Path)
+    p.add_argument("dir", help="a directory or URL (s3://bucket/run)")
     p = sub.add_parser("verify", help="check every file against the manifest (exit 1 if not)")
-    p.add_argument("path", type=Path)
+    p.add_argument("path", help="a checkpoint directory or URL")
     p = sub.add_parser(
         "export", help="model weights as one safetensors file (ZeRO shards consolidated)"
     )
-    p.add_argument("path", type=Path)
+    p.add_argument("path", help="a checkpoint directory or URL")
     p.add_argument("out", type=Path)
+    for p in sub.choices.values():
+        p.add_argument(
+            "--storage-options",
+            default="{}",
+            help="fsspec options as YAML, e.g. '{endpoint_url: http://127.0.0.1:9000}' "
+            "(credentials: prefer the environment)",
+        )
     args = parser.parse_args(argv)
-    if args.cmd == "list":
-        return cmd_list(args.dir)
-    if args.cmd == "verify":
-        return cmd_verify(args.path)
-    return cmd_export(args.path, args.out)
+    try:
+        options = yaml.safe_load(args.storage_options) or {}
+        if not isinstance(options, dict):
+            raise ValueError("expected a mapping")
+        where = open_storage(args.dir if args.cmd == "list" else args.path, options)
+    except (yaml.YAMLError, ValueError, ImportError) as e:
+        parser.error(f"--storage-options / location: {e}")
+    try:
+        if args.cmd == "list":
+            return cmd_list(where)
+        if args.cmd == "verify":
+            return cmd_verify(where)
+        return cmd_export(where, args.out)
+    except OSError as e:
+        print(f"FAILED {e}", file=sys.stderr)
+        return 1

@@ -6,17 +6,17 @@ has the recorded size and sha256. Nothing is read from a checkpoint before this 
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
+
+from checkpointing.storage import Storage, as_storage, digest_stream, retrying
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-_CHUNK = 8 << 20
 
 
 class CheckpointError(Exception):
@@ -52,70 +52,71 @@ class Manifest:
         return sum(f["size"] for f in self.files.values())
 
 
-def digest_stream(f: BinaryIO) -> tuple[int, str]:
-    """(bytes read, hex sha256) of what is left in an open binary file."""
-    h = hashlib.sha256()
-    size = 0
-    while chunk := f.read(_CHUNK):
-        h.update(chunk)
-        size += len(chunk)
-    return size, h.hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    with path.open("rb") as f:
-        return digest_stream(f)[1]
-
-
-def read_manifest(directory: str | Path) -> Manifest:
-    """Parse `directory/manifest.json`; CheckpointCorruptError if absent or malformed."""
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise CheckpointCorruptError(f"{path}: no manifest (an incomplete checkpoint)")
+def read_manifest(where: str | os.PathLike | Storage) -> Manifest:
+    """Parse `manifest.json` of a checkpoint; CheckpointCorruptError if absent or malformed."""
+    storage = as_storage(where)
+    where_text = storage.display(MANIFEST)
     try:
-        raw = json.loads(path.read_text())
-        manifest = Manifest(**raw)
+        data = retrying(
+            f"reading {where_text}", lambda: storage.read_bytes(MANIFEST), storage.retries
+        )
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+        raise CheckpointCorruptError(f"{where_text}: no manifest (an incomplete checkpoint)") from e
+    try:
+        manifest = Manifest(**json.loads(data))
     except (ValueError, TypeError) as e:
-        raise CheckpointCorruptError(f"{path}: unreadable manifest ({e})") from e
+        raise CheckpointCorruptError(f"{where_text}: unreadable manifest ({e})") from e
     if manifest.format_version != FORMAT_VERSION:
         raise CheckpointCorruptError(
-            f"{path}: format version {manifest.format_version}, this code reads {FORMAT_VERSION}"
+            f"{where_text}: format version {manifest.format_version}, "
+            f"this code reads {FORMAT_VERSION}"
         )
     return manifest
 
 
-def verify(directory: str | Path) -> Manifest:
-    """Check the manifest and every file it lists (size, then sha256); return the manifest."""
-    directory = Path(directory)
-    manifest = read_manifest(directory)
-    for rel, meta in manifest.files.items():
-        path = directory / rel
-        if not path.is_file():
-            raise CheckpointCorruptError(f"{path}: missing")
-        size = path.stat().st_size
+def verify_file(storage: Storage, rel: str, meta: dict[str, Any]) -> None:
+    """Check one file of a checkpoint against its manifest entry (size, then sha256)."""
+    where = storage.display(rel)
+
+    def check() -> None:
+        try:
+            size = storage.size(rel)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+            raise CheckpointCorruptError(f"{where}: missing") from e
         if size != meta["size"]:
-            raise CheckpointCorruptError(f"{path}: {size} bytes, the manifest says {meta['size']}")
-        if sha256_file(path) != meta["sha256"]:
-            raise CheckpointCorruptError(f"{path}: sha256 differs from the manifest")
+            raise CheckpointCorruptError(f"{where}: {size} bytes, the manifest says {meta['size']}")
+        with storage.open_read(rel) as f:
+            if digest_stream(f)[1] != meta["sha256"]:
+                raise CheckpointCorruptError(f"{where}: sha256 differs from the manifest")
+
+    retrying(f"verifying {where}", check, storage.retries)
+
+
+def verify(where: str | os.PathLike | Storage, only: list[str] | None = None) -> Manifest:
+    """Check the manifest and every file it lists (or the listed subset `only`); return it."""
+    storage = as_storage(where)
+    manifest = read_manifest(storage)
+    for rel, meta in manifest.files.items():
+        if only is None or rel in only:
+            verify_file(storage, rel, meta)
     return manifest
 
 
-def checkpoint_step(path: Path) -> int | None:
-    """The step of a `checkpoint-<step>` directory name, else None (temp dirs never match)."""
-    m = CHECKPOINT_RE.match(path.name)
-    return int(m.group(1)) if m and path.is_dir() else None
+def checkpoint_step(name: str) -> int | None:
+    """The step of a `checkpoint-<step>` name, else None (temp dirs never match)."""
+    m = CHECKPOINT_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
-def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of every `checkpoint-<step>` directory under root, newest first,
+def list_checkpoints(root: str | os.PathLike | Storage) -> list[tuple[int, str]]:
+    """(step, name) of every `checkpoint-<step>` directory under root, newest first,
     committed or not (use `verify` to tell)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(s, p) for p in root.iterdir() if (s := checkpoint_step(p)) is not None]
+    storage = as_storage(root)
+    found = [(s, n) for n in storage.listdir() if (s := checkpoint_step(n)) is not None]
     return sorted(found, reverse=True)
 
 
-def list_committed(root: str | Path) -> list[tuple[int, Path]]:
+def list_committed(root: str | os.PathLike | Storage) -> list[tuple[int, str]]:
     """The checkpoints under root whose manifest exists (not verified), newest first."""
-    return [(s, p) for s, p in list_checkpoints(root) if (p / MANIFEST).is_file()]
+    storage = as_storage(root)
+    return [(s, n) for s, n in list_checkpoints(storage) if storage.exists(f"{n}/{MANIFEST}")]

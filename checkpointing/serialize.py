@@ -14,16 +14,22 @@ import os
 import struct
 import sys
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import safetensors.torch
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors_bytes
 
-from checkpointing.manifest import digest_stream
+from checkpointing.storage import (
+    FileDigest,
+    LocalStorage,
+    Storage,
+    as_storage,
+    digest_stream,
+    retrying,
+)
 
 TENSOR, TUPLE, DICT = "__tensor__", "__tuple__", "__dict__"
 _MARKERS = (TENSOR, TUPLE, DICT)
@@ -57,14 +63,6 @@ class StateFormatError(ValueError):
     """A file that should hold saved state is not valid JSON/safetensors, or does not decode."""
 
 
-@dataclass(frozen=True)
-class FileDigest:
-    """Size in bytes and hex sha256 of a file exactly as written."""
-
-    size: int
-    sha256: str
-
-
 # ---------------------------------------------------------------------------- encode / decode
 
 
@@ -81,6 +79,8 @@ class _Encoder:
         # Identical views (tied weights) map to one key; byte extents per storage detect overlaps.
         self._views: dict[tuple, str] = {}
         self._extents: dict[tuple, list[tuple[int, int]]] = {}
+        self.live: set[str] = set()
+        """Keys whose tensor is a view of the caller's memory, not a copy."""
 
     def _key(self, path: list[str]) -> str:
         base = ".".join(path) or "tensor"
@@ -108,6 +108,8 @@ class _Encoder:
                 extents.append((start, end))
         key = self._key(path)
         self.tensors[key] = out
+        if out.numel() and out.data_ptr() == t.data_ptr():
+            self.live.add(key)
         self._views[view] = key
         return {TENSOR: key}
 
@@ -148,8 +150,15 @@ def encode(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     safetensors would refuse. Mapping subclasses decode as plain dicts; other types raise TypeError.
     CPU contiguous tensors come back as views, not copies: write them before the state changes.
     """
+    structure, tensors, _ = encode_views(state)
+    return structure, tensors
+
+
+def encode_views(state: Any) -> tuple[Any, dict[str, torch.Tensor], set[str]]:
+    """`encode`, plus the keys of the tensors that are views of `state`'s memory (the ones an
+    asynchronous save must copy before training changes them)."""
     enc = _Encoder()
-    return enc(state, []), enc.tensors
+    return enc(state, []), enc.tensors, enc.live
 
 
 def decode(structure: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
@@ -180,12 +189,6 @@ def decode(structure: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 # ---------------------------------------------------------------------------- files
 
 
-def _write_all(f: Any, data: memoryview | bytes) -> None:
-    view = memoryview(data)
-    while view:  # a raw write may be partial
-        view = view[f.write(view) :]
-
-
 def _chunks(t: torch.Tensor) -> tuple[Iterator[memoryview], bool]:
     """Raw bytes of `t` as chunk views into its memory, and whether a CPU copy had to be made."""
     cpu = _to_cpu(t)
@@ -194,18 +197,10 @@ def _chunks(t: torch.Tensor) -> tuple[Iterator[memoryview], bool]:
     return (raw[i : i + _CHUNK] for i in range(0, len(raw), _CHUNK)), cpu.data_ptr() != t.data_ptr()
 
 
-def write_safetensors(
-    path: str | os.PathLike,
-    tensors: Mapping[str, torch.Tensor],
-    metadata: dict[str, str] | None = None,
-) -> FileDigest:
-    """Stream `tensors` into a safetensors file at `path`, then fsync it.
-
-    Bytes go straight from each tensor's memory to the file (a tensor is copied only when it is
-    not CPU contiguous, one at a time), so peak memory stays near the largest such tensor rather
-    than the file size. The sha256 is computed from the same buffers on a worker thread while the
-    main thread writes and fsyncs: the file is never read back. Readable by `safetensors.torch`.
-    """
+def _safetensors_prefix(
+    tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None
+) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+    """The safetensors length + JSON header, and the tensors in the order the header lays out."""
     if sys.byteorder != "little":
         raise RuntimeError("safetensors is little-endian; big-endian hosts are not supported")
     for name, t in tensors.items():
@@ -228,56 +223,81 @@ def write_safetensors(
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode("utf-8")
     head += b" " * (-len(head) % 8)  # the spec pads the header so data starts 8-aligned
-    prefix = struct.pack("<Q", len(head)) + head
+    return struct.pack("<Q", len(head)) + head, order
 
-    sha = hashlib.sha256(prefix)
-    # One worker runs updates in submission order; hashlib and raw writes release the GIL.
-    with open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1, "sha256") as hasher:
-        _write_all(f, prefix)
-        pending: list[Future] = []
+
+def store_safetensors(
+    storage: Storage,
+    rel: str,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> FileDigest:
+    """Stream `tensors` into a safetensors file `rel` of `storage`; durable when it returns.
+
+    Bytes go straight from each tensor's memory to the file (a tensor is copied only when it is
+    not CPU contiguous, one at a time), so peak memory stays near the largest such tensor rather
+    than the file size. The sha256 is computed from the same buffers on a worker thread while
+    they are written: the file is never read back. Readable by `safetensors.torch`.
+    """
+    prefix, order = _safetensors_prefix(tensors, metadata)
+    with storage.writer(rel) as w:
+        w.write(prefix)
         for _, t in order:
             chunks, copied = _chunks(t)
             for chunk in chunks:
-                pending.append(hasher.submit(sha.update, chunk))
-                _write_all(f, chunk)
-            if copied and pending:
-                pending[-1].result()  # let the copy go before making the next one
-        os.fsync(f.fileno())  # the hasher catches up meanwhile
-        for fut in pending:
-            fut.result()
-    return FileDigest(len(prefix) + offset, sha.hexdigest())
+                w.write(chunk)
+            if copied:
+                w.drain()  # let the copy go before making the next one
+    return w.digest()
+
+
+def write_safetensors(
+    path: str | os.PathLike,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> FileDigest:
+    """`store_safetensors` into a local file at `path` (fsynced)."""
+    path = Path(path)
+    return store_safetensors(LocalStorage(path.parent), path.name, tensors, metadata)
+
+
+def json_bytes(obj: Any) -> bytes:
+    """`obj` as UTF-8 JSON (inf/nan as Infinity/NaN)."""
+    # ensure_ascii keeps any str (even lone surrogates) encodable and exactly round-tripped.
+    return json.dumps(obj, allow_nan=True, indent=1).encode("utf-8")
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> FileDigest:
-    """Write `obj` as UTF-8 JSON (inf/nan as Infinity/NaN), fsync, return its digest."""
-    # ensure_ascii keeps any str (even lone surrogates) encodable and exactly round-tripped.
-    data = json.dumps(obj, allow_nan=True, indent=1).encode("utf-8")
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return FileDigest(len(data), hashlib.sha256(data).hexdigest())
+    """Write `obj` as JSON to a local file, fsync, return its digest."""
+    path = Path(path)
+    return LocalStorage(path.parent).write_bytes(path.name, json_bytes(obj))
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """Parse a JSON file; anything that is not valid UTF-8 JSON raises StateFormatError."""
-    data = Path(path).read_bytes()
+def parse_json(data: bytes, where: str) -> Any:
+    """Parse JSON bytes; anything that is not valid UTF-8 JSON raises StateFormatError."""
     try:
         return json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:
-        raise StateFormatError(f"{os.fspath(path)}: not valid UTF-8 JSON ({e})") from e
+        raise StateFormatError(f"{where}: not valid UTF-8 JSON ({e})") from e
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_json(path: str | os.PathLike) -> Any:
+    """Parse a local JSON file (StateFormatError when it is not valid UTF-8 JSON)."""
+    return parse_json(Path(path).read_bytes(), os.fspath(path))
+
+
+def _parse_safetensors(storage: Storage, rel: str, data: bytes | None) -> dict[str, torch.Tensor]:
     try:
-        return safetensors.torch.load_file(path, device="cpu")
+        if data is None:  # a local file: safetensors maps it
+            return safetensors.torch.load_file(storage.local_path(rel), device="cpu")
+        return load_safetensors_bytes(data)
     # KeyError/ValueError: a header the Rust side accepts but the torch mapping does not.
     except (SafetensorError, KeyError, ValueError) as e:
-        raise StateFormatError(f"{path}: not a valid safetensors file ({e})") from e
+        raise StateFormatError(f"{storage.display(rel)}: not a valid safetensors file ({e})") from e
 
 
 def sync_and_digest(path: Path) -> FileDigest:
-    """fsync a file another writer left (reading it once for the sha256 on the way)."""
+    """fsync a local file another writer left (reading it once for the sha256 on the way)."""
     with open(path, "rb") as f:
         size, sha256 = digest_stream(f)
         os.fsync(f.fileno())
@@ -285,12 +305,8 @@ def sync_and_digest(path: Path) -> FileDigest:
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory so the entries created in it (files, sub-directories) are durable."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """fsync a local directory so the entries created in it are durable."""
+    LocalStorage(path).sync_dir()
 
 
 def _relative(name: str) -> str:
@@ -300,41 +316,90 @@ def _relative(name: str) -> str:
     return name
 
 
-def save_state(directory: str | os.PathLike, name: str, state: Any) -> dict[str, FileDigest]:
-    """Write `state` as `<name>.json` plus, when it holds tensors, `<name>.safetensors`.
-
-    `name` may be "DIR/NAME" (e.g. "rng/rank-00001"); DIR is created. Files and their directory
-    are fsynced. Returns {file name relative to `directory`: digest}.
-    """
+def state_files(name: str, structure: Any, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The files `write_encoded` writes for `name`."""
     rel = _relative(name)
-    structure, tensors = encode(state)
-    root = Path(directory)
-    folder = (root / rel).parent
-    folder.mkdir(parents=True, exist_ok=True)
+    return ([f"{rel}.safetensors"] if tensors else []) + [f"{rel}.json"]
+
+
+def write_encoded(
+    storage: str | os.PathLike | Storage,
+    name: str,
+    structure: Any,
+    tensors: Mapping[str, torch.Tensor],
+) -> dict[str, FileDigest]:
+    """Write what `encode` returned as `<name>.json` plus, when there are tensors,
+    `<name>.safetensors`; each file is retried on transient store errors. Returns
+    {file name relative to the storage: digest}."""
+    storage = as_storage(storage)
+    rel = _relative(name)
     digests: dict[str, FileDigest] = {}
     if tensors:
-        digests[f"{rel}.safetensors"] = write_safetensors(
-            root / f"{rel}.safetensors", tensors, {"format": "pt"}
+        st = f"{rel}.safetensors"
+        digests[st] = retrying(
+            f"writing {storage.display(st)}",
+            lambda: store_safetensors(storage, st, tensors, {"format": "pt"}),
+            storage.retries,
         )
-    digests[f"{rel}.json"] = write_json(root / f"{rel}.json", structure)
-    fsync_dir(folder)
-    if folder != root:
-        fsync_dir(root)  # the new sub-directory's own entry
+    js, data = f"{rel}.json", json_bytes(structure)
+    digests[js] = retrying(
+        f"writing {storage.display(js)}", lambda: storage.write_bytes(js, data), storage.retries
+    )
     return digests
 
 
-def load_state(directory: str | os.PathLike, name: str) -> Any:
-    """Read what `save_state(directory, name, ...)` wrote, tensors on CPU. Never unpickles.
+def save_state(
+    storage: str | os.PathLike | Storage, name: str, state: Any
+) -> dict[str, FileDigest]:
+    """Write `state` as `<name>.json` plus, when it holds tensors, `<name>.safetensors`.
 
-    Raises StateFormatError (one line naming the file) for a file that is not valid JSON or
-    safetensors, or a structure that references a tensor the safetensors file lacks.
+    `name` may be "DIR/NAME" (e.g. "rng/rank-00001"); DIR is created. Local files and their
+    directory are fsynced. Returns {file name relative to the storage: digest}.
     """
+    storage = as_storage(storage)
+    digests = write_encoded(storage, name, *encode(state))
+    folder = _relative(name).rpartition("/")[0]
+    storage.sync_dir(folder)
+    if folder:
+        storage.sync_dir()  # the new sub-directory's own entry
+    return digests
+
+
+def _read_checked(storage: Storage, rel: str, expected: Mapping[str, Any] | None) -> bytes:
+    data = retrying(
+        f"reading {storage.display(rel)}", lambda: storage.read_bytes(rel), storage.retries
+    )
+    if expected is not None:
+        meta = expected.get(rel)
+        if meta is None or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise StateFormatError(f"{storage.display(rel)}: sha256 differs from the manifest")
+    return data
+
+
+def load_state(
+    storage: str | os.PathLike | Storage,
+    name: str,
+    expected: Mapping[str, Any] | None = None,
+) -> Any:
+    """Read what `save_state(storage, name, ...)` wrote, tensors on CPU. Never unpickles.
+
+    From a store that is not a local filesystem the bytes are read once into memory and, when
+    `expected` (the manifest's files) is given, checked against their sha256 before parsing:
+    what is parsed is what was verified. Raises StateFormatError (one line naming the file) for
+    a file that is not valid JSON or safetensors, or a structure that references a tensor the
+    safetensors file lacks.
+    """
+    storage = as_storage(storage)
     rel = _relative(name)
-    root = Path(directory)
-    json_path, st_path = root / f"{rel}.json", root / f"{rel}.safetensors"
-    structure = read_json(json_path)
-    tensors = _read_safetensors(st_path) if st_path.exists() else {}
+    js, st = f"{rel}.json", f"{rel}.safetensors"
+    local = storage.local_path() is not None
+    raw = _read_checked(storage, js, None if local else expected)
+    structure = parse_json(raw, storage.display(js))
+    tensors: dict[str, torch.Tensor] = {}
+    if storage.exists(st):
+        data = None if local else _read_checked(storage, st, expected)
+        tensors = _parse_safetensors(storage, st, data)
     try:
         return decode(structure, tensors)
     except StateFormatError as e:
-        raise StateFormatError(f"{json_path} (with {st_path.name}): {e}") from e
+        raise StateFormatError(f"{storage.display(js)} (with {st}): {e}") from e

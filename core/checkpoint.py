@@ -10,15 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from checkpointing.manager import CheckpointManager, Entry
+from checkpointing.manager import CheckpointManager, CheckpointSaveError, Entry
 from checkpointing.manifest import CheckpointError, read_manifest
 from checkpointing.rng import RNGState, rng_fingerprint
+from checkpointing.staging import SaveOutcome
 from checkpointing.stateful import Stateful
+from checkpointing.storage import Storage
 from core.config import Config
 from core.engines.base import Engine
 from core.sampler import ResumableDistributedSampler
@@ -92,6 +92,7 @@ class RunCheckpointer:
         self.extra_state: Callable[[], dict[str, Stateful]] = dict
         """More global entries (callbacks with state), asked for at every save and load."""
         self._pending_rng_check: str | None = None
+        self._ended: list[SaveOutcome] = []
 
     def entries(self) -> dict[str, Entry]:
         # Order is restore order: the RNG comes last so nothing consumes it after the restore.
@@ -131,19 +132,54 @@ class RunCheckpointer:
         return {"name": name, "value": metrics[name]}
 
     # -- save ----------------------------------------------------------------------------------
-    def save(self) -> Path:
+    def save(self, final: bool = False) -> list[SaveOutcome]:
+        """Checkpoint the current step. With async_save (and not `final`) this returns once
+        the state is staged; the commit is reported by a later `poll`. Returns the saves that
+        committed meanwhile; a failed save raises CheckpointSaveError."""
         entries = self.entries()
         rng_fp = rng_fingerprint(self.rng.state_dict())
-        path = self.manager.save(
+        done = self.manager.save(
             self.state.global_step,
             entries,
             self.trajectory,
             fingerprint(self.trajectory),
             checks={**self._checks(), "metric": self._metric()},
             rank_checks={"rng": rng_fp},
+            background=self.config.checkpoint.async_save and not final,
         )
         self.last_saved_step = self.state.global_step
-        return path
+        return _committed(done)
+
+    def poll(self) -> tuple[list[SaveOutcome], bool]:
+        """(background saves that committed since the last call, whether one failed)."""
+        self._ended.extend(self.manager.poll())
+        failed = any(o.error is not None for o in self._ended)
+        if failed:
+            return [], True
+        done, self._ended = self._ended, []
+        return done, False
+
+    def raise_failure(self) -> None:
+        """Some rank's background save failed: raise its error here too (every rank then
+        stops at the same step)."""
+        self._ended.extend(self.manager.wait("stopping"))
+        for outcome in self._ended:
+            if outcome.error is not None:
+                raise outcome.error
+        raise CheckpointSaveError("a background checkpoint save failed on another rank")
+
+    def wait(self) -> list[SaveOutcome]:
+        """Wait for the save in flight; the saves that committed (a failure is raised)."""
+        return _committed(self.manager.wait("finishing"))
+
+    def close(self, timeout: float) -> None:
+        """On the way out after an error: give the save in flight up to `timeout` seconds to
+        commit (a failure is logged; the run is failing already)."""
+        for outcome in self.manager.wait("exiting", timeout=timeout):
+            if outcome.error is not None:
+                logger.error("%s", outcome.error)
+            else:
+                logger.info("checkpoint-%d committed before exit", outcome.step)
 
     # -- resume --------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -157,9 +193,9 @@ class RunCheckpointer:
                     "set run.overwrite true to start afresh there, or resume_from latest"
                 )
             if self.manager.rank == 0:
-                for _, path in self.manager.committed():
-                    logger.info("run.overwrite: deleting %s", path.name)
-                    shutil.rmtree(path)
+                for _, name in self.manager.committed():
+                    logger.info("run.overwrite: deleting %s", name)
+                    self.manager.delete(name)
         found = self.manager.resolve(cc.resume_from)
         if found is None:
             return
@@ -173,7 +209,7 @@ class RunCheckpointer:
         self.last_saved_step = manifest.step
         logger.info(
             "resumed from %s at step %d (epoch %d, position %d)",
-            path,
+            path.display(),
             self.state.global_step,
             self.sampler.epoch,
             self.sampler.position,
@@ -188,10 +224,9 @@ class RunCheckpointer:
                 self.config.checkpoint.best_metric,
             )
             return
-        self.manager.load(best, read_manifest(best), {"model": Entry(self.engine.model)})
-        logger.info(
-            "loaded the best model (%s) from %s", self.config.checkpoint.best_metric, best.name
-        )
+        where = self.manager.storage.child(best)
+        self.manager.load(where, read_manifest(where), {"model": Entry(self.engine.model)})
+        logger.info("loaded the best model (%s) from %s", self.config.checkpoint.best_metric, best)
 
     def check_rng(self) -> None:
         """Called right before the first resumed step: the RNG streams must be untouched."""
@@ -205,23 +240,31 @@ class RunCheckpointer:
                 f"{expected} (something consumed random numbers between restore and first step)"
             )
 
-    def _check_trajectory(self, path: Path, saved: dict[str, Any]) -> None:
+    def _check_trajectory(self, path: Storage, saved: dict[str, Any]) -> None:
         keys = sorted(set(saved) | set(self.trajectory))
         differ = [k for k in keys if saved.get(k) != self.trajectory.get(k)]
         if not differ:
             return
         detail = ", ".join(f"{k} ({saved.get(k)!r} -> {self.trajectory.get(k)!r})" for k in differ)
         if self.config.checkpoint.allow_config_change:
-            logger.warning("resuming %s with changed fields (allowed): %s", path.name, detail)
+            logger.warning("resuming %s with changed fields (allowed): %s", path.display(), detail)
             return
         raise CheckpointError(
-            f"{path}: the config differs in fields that change the trajectory: {detail}; "
+            f"{path.display()}: the config differs in fields that change the trajectory: {detail}; "
             "set checkpoint.allow_config_change true to resume anyway"
         )
 
-    def _compare(self, path: Path, what: str, saved: Any, now: Any) -> None:
+    def _compare(self, path: Storage, what: str, saved: Any, now: Any) -> None:
         if saved != now:
             raise ResumeMismatchError(
-                f"{path}: after loading, the {what} is {now!r} but the checkpoint recorded "
-                f"{saved!r}; refusing to continue a wrong resume"
+                f"{path.display()}: after loading, the {what} is {now!r} but the checkpoint "
+                f"recorded {saved!r}; refusing to continue a wrong resume"
             )
+
+
+def _committed(outcomes: list[SaveOutcome]) -> list[SaveOutcome]:
+    """The committed ones; the first failure is raised."""
+    for outcome in outcomes:
+        if outcome.error is not None:
+            raise outcome.error
+    return outcomes

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from checkpointing.storage import display_url, redact_options
 from core.config_sections import (
     DATA_FORMATS,
     ENGINES,
@@ -200,4 +201,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def dump_config(config: Config) -> str:
-    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+    """The config as YAML for config.yaml, with every storage option that may hold a
+    credential replaced by a placeholder."""
+    values = config.to_dict()
+    ck = values["checkpoint"]
+    ck["storage_options"] = redact_options(ck["storage_options"])
+    if ck["dir"] is not None:
+        ck["dir"] = display_url(ck["dir"])
+    return yaml.safe_dump(values, sort_keys=False)

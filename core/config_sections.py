@@ -272,6 +272,16 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
+    dir: str | None = None
+    """Where checkpoints live: a path or an fsspec URL (s3://bucket/run, gs://..., memory://
+    for one process); default run.output_dir."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the fsspec filesystem (s3fs: endpoint_url, key, secret, ...);
+    credentials are never written to config.yaml, logs or manifests."""
+    async_save: bool = False
+    """Stage the state in memory and write, upload and commit in a background thread."""
+    retries: int = 3
+    """Retries (with backoff) of each store operation of a save or load before it fails."""
     save_steps: int = 0
     """Save a checkpoint every this many optimizer steps (0 = only the final one)."""
     save_total_limit: int | None = None
@@ -292,6 +302,9 @@ class CheckpointConfig:
         if self.save_total_limit is not None:
             _check(self.save_total_limit > 0, "checkpoint.save_total_limit", "must be > 0")
         _check(bool(self.resume_from), "checkpoint.resume_from", "latest, none or a path")
+        _check(self.retries >= 0, "checkpoint.retries", "must be >= 0")
+        if self.dir is not None:
+            _check(bool(self.dir), "checkpoint.dir", "a path or URL, or null for run.output_dir")
 
 
 def metric_greater_is_better(metric: str, explicit: bool | None = None) -> bool:

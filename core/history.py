@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from checkpointing.storage import display_url
 from core.callbacks import TrainerCallback, TrainerControl
 from core.config import Config
 from core.state import TrainState
@@ -130,9 +131,12 @@ def resume_cause(previous: list[Record], restart_count: int = 0) -> str:
     return causes.get(ends[-1].reason, "unknown")
 
 
-def _name_in(run_dir: Path, path: str | Path) -> str:
-    p = Path(path)
-    return p.name if p.parent.resolve() == run_dir.resolve() else str(p)
+def _name_in(root: str, path: str | Path) -> str:
+    """`checkpoint-<step>` for a checkpoint in the run's checkpoint root, else its location."""
+    parent, _, name = str(path).rstrip("/").rpartition("/")
+    if "://" in root or "://" in parent:
+        return name if parent == root.rstrip("/") else display_url(str(path))
+    return name if Path(parent or ".").resolve() == Path(root).resolve() else str(path)
 
 
 class RunHistory(TrainerCallback):
@@ -180,9 +184,8 @@ class RunHistory(TrainerCallback):
         resumed = None
         if step > 0:  # a resume: resume_from is latest (so this step's checkpoint) or a path
             rf = config.checkpoint.resume_from
-            resumed = _name_in(
-                self.run_dir, self.run_dir / f"checkpoint-{step}" if rf == "latest" else rf
-            )
+            root = self._root(config)
+            resumed = _name_in(root, f"{root}/checkpoint-{step}" if rf == "latest" else rf)
         self._append(
             AttemptStart(
                 time=time.time(),
@@ -208,8 +211,13 @@ class RunHistory(TrainerCallback):
     ) -> None:
         # on_save fires after the commit (rename + directory fsync), never for a partial save.
         self._append(
-            CheckpointCommit(time.time(), state.global_step, _name_in(self.run_dir, path), seconds)
+            CheckpointCommit(
+                time.time(), state.global_step, _name_in(self._root(config), path), seconds
+            )
         )
+
+    def _root(self, config: Config) -> str:
+        return config.checkpoint.dir or str(self.run_dir)
 
     def end(self, step: int, reason: str, error: BaseException | None = None) -> None:
         """Record the attempt's end once (nothing if it never started training)."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from checkpointing.comm import any_rank
+from checkpointing.staging import SaveOutcome
 from core.callbacks import CallbackHandler, TrainerCallback, TrainerControl
 from core.checkpoint import RunCheckpointer
 from core.config import Config
@@ -30,6 +31,9 @@ from core.state import TrainState
 from core.stream import ENDLESS
 
 logger = logging.getLogger(__name__)
+
+EXIT_SAVE_TIMEOUT_S = 300.0
+"""How long a run that is failing waits for a background save in flight to commit."""
 
 
 @dataclass(frozen=True)
@@ -115,11 +119,17 @@ class TrainLoop:
         self._last_log = (time.perf_counter(), state.global_step)
         if self.sampler.epoch != state.epoch:
             self.sampler.set_epoch(state.epoch)
-        with self.memory.stage("train"):
-            while state.global_step < self.total_steps and not control.should_training_stop:
-                self._train_epoch()
-        if self.checkpointer is not None and self.checkpointer.last_saved_step != state.global_step:
-            self._save()  # the final checkpoint
+        try:
+            with self.memory.stage("train"):
+                while state.global_step < self.total_steps and not control.should_training_stop:
+                    self._train_epoch()
+            if self.checkpointer is not None:
+                # The final checkpoint (waiting for one in flight), or that wait alone.
+                self._save(final=True, skip=self.checkpointer.last_saved_step == state.global_step)
+        except BaseException:
+            if self.checkpointer is not None:
+                self.checkpointer.close(timeout=EXIT_SAVE_TIMEOUT_S)
+            raise
         if self.checkpointer is not None and self.config.checkpoint.load_best_model_at_end:
             self.checkpointer.load_best_model()
         self._summarise(*start)
@@ -192,10 +202,23 @@ class TrainLoop:
         True to stop."""
         control, step = self.control, self.state.global_step
         signalled = self.stop_requested is not None and self.stop_requested()
-        # One collective, so every rank stops, evaluates and saves at the same step.
-        signalled, stop, save, evaluate = any_rank(
-            [signalled, control.should_training_stop, control.should_save, control.should_evaluate]
+        save_failed = False
+        if self.checkpointer is not None:
+            committed, save_failed = self.checkpointer.poll()
+            self._report_saves(committed)
+        # One collective, so every rank stops, evaluates and saves at the same step, and a
+        # background save that failed anywhere fails the run everywhere at this step.
+        signalled, stop, save, evaluate, save_failed = any_rank(
+            [
+                signalled,
+                control.should_training_stop,
+                control.should_save,
+                control.should_evaluate,
+                save_failed,
+            ]
         )
+        if save_failed:
+            self.checkpointer.raise_failure()
         if not signalled and (evaluate or self._eval_due()):
             signalled = self.evaluate() is None  # None: a stop request arrived mid-evaluation
         save_steps = self.config.checkpoint.save_steps
@@ -249,12 +272,20 @@ class TrainLoop:
     def _metric_name(self) -> str:
         return self.config.checkpoint.best_metric or "eval_loss"
 
-    def _save(self) -> None:
+    def _save(self, final: bool = False, skip: bool = False) -> None:
+        """Checkpoint now (with async_save, stage and return unless `final`); `skip`: only
+        wait for the save in flight. Fires on_save for every save that committed."""
         assert self.checkpointer is not None
-        t0 = time.perf_counter()
         with self.memory.stage("save"):
-            path = self.checkpointer.save()
-        self._fire("on_save", path=str(path), seconds=time.perf_counter() - t0)
+            if skip:
+                committed = self.checkpointer.wait()
+            else:
+                committed = self.checkpointer.save(final=final)
+        self._report_saves(committed)
+
+    def _report_saves(self, committed: list[SaveOutcome]) -> None:
+        for outcome in committed:
+            self._fire("on_save", path=outcome.location, seconds=outcome.seconds)
 
     def _steps_left_in_epoch(self) -> Iterator[list[int]]:
         """Per-rank micro-batch sizes of each optimizer step left in the epoch, as the

@@ -17,6 +17,7 @@ from torch.utils.data import Subset
 
 from checkpointing.comm import control_group
 from checkpointing.manager import CheckpointManager
+from checkpointing.storage import Storage, display_url, is_private_to_process, open_storage
 from core.callbacks import TrainerCallback
 from core.checkpoint import RunCheckpointer, trajectory
 from core.columns import default_label_names, remove_unused_columns
@@ -171,6 +172,21 @@ def _build_engine(
     )
 
 
+def open_checkpoint_storage(config: Config, world_size: int) -> Storage:
+    """The checkpoint location of a run: checkpoint.dir, or run.output_dir."""
+    cc = config.checkpoint
+    url = cc.dir or config.run.output_dir
+    if world_size > 1 and is_private_to_process(url):
+        raise ConfigError(
+            f"checkpoint.dir: {display_url(url)} lives in one process's memory; with "
+            f"{world_size} ranks use a shared store (a shared filesystem path, s3://, gs://)"
+        )
+    try:
+        return open_storage(url, cc.storage_options, cc.retries)
+    except (ImportError, ValueError, TypeError) as e:
+        raise ConfigError(f"checkpoint.dir: cannot open {display_url(url)}: {e}") from e
+
+
 def build_trainer(
     config: Config,
     dist_info: DistInfo,
@@ -256,16 +272,19 @@ def build_trainer(
             device,
         )
     state = TrainState()
+    cc = config.checkpoint
     manager = CheckpointManager(
-        config.run.output_dir,
+        open_checkpoint_storage(config, dist_info.world_size),
         dist_info.rank,
         dist_info.world_size,
-        save_total_limit=config.checkpoint.save_total_limit,
+        save_total_limit=cc.save_total_limit,
         engine=config.engine.name,
         group=control_group(),
         greater_is_better=metric_greater_is_better(
-            config.checkpoint.best_metric or "eval_loss", config.checkpoint.greater_is_better
+            cc.best_metric or "eval_loss", cc.greater_is_better
         ),
+        async_save=cc.async_save,
+        storage_options=cc.storage_options,
     )
     checkpointer = RunCheckpointer(
         config,

@@ -30,7 +30,7 @@ from core.config import Config, dump_config, load_config
 from core.loop import DistInfo, TrainLoop
 from core.memory import StageMemory
 from core.reporting import finish_attempt
-from core.run import UserParts, build_trainer
+from core.run import UserParts, build_trainer, open_checkpoint_storage
 from core.state import TrainState
 
 
@@ -181,15 +181,16 @@ class Trainer:
 
     def _recorded_batch(self, config: Config) -> tuple[int, int] | None:
         manager = CheckpointManager(
-            config.run.output_dir,
+            open_checkpoint_storage(config, self.dist_info.world_size),
             self.dist_info.rank,
             self.dist_info.world_size,
             group=control_group(),
+            storage_options=config.checkpoint.storage_options,
         )
         found = manager.resolve(config.checkpoint.resume_from)
         if found is None:
             return None
-        state = load_state(found[0], "train_state")
+        state = load_state(found[0], "train_state", found[1].files)
         if state.get("per_device_batch_size") is None:
             return None
         return state["per_device_batch_size"], state["gradient_accumulation_steps"]

@@ -9,6 +9,9 @@ USAGE = 2
 CHECKPOINT = 3
 """A checkpoint was refused: an explicit resume_from is corrupt or missing, the config differs
 in fields that change the trajectory, or the resume self-check found a difference."""
+STORAGE = 4
+"""The checkpoint store failed after every retry (a save was not committed, or a checkpoint could
+not be read); the committed checkpoints are intact: relaunch once the store is reachable."""
 PREEMPTED = 75
 """Stopped by SIGTERM/SIGUSR1 after committing a checkpoint at the agreed step: relaunch the same
 command to continue (EX_TEMPFAIL)."""

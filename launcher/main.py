@@ -8,6 +8,7 @@ import logging
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpointing.manifest import CheckpointError
+from checkpointing.storage import StorageError
 from core.config import Config, ConfigError, load_config
 from core.data import DataError
 from core.trainer import Trainer
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         logger.error("%s", e)  # every rank: a self-check failure may be one rank's alone
         return exit_codes.CHECKPOINT
+    except StorageError as e:
+        logger.error("%s", e)
+        return exit_codes.STORAGE
     except KeyboardInterrupt:
         logger.warning("interrupted")
         return exit_codes.INTERRUPTED

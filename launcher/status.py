@@ -12,7 +12,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import yaml
+
 from checkpointing.manifest import CheckpointError, list_committed, read_manifest
+from checkpointing.storage import REDACTED, Storage, open_storage
 from core.history import AttemptEnd, AttemptStart, read_history, read_jsonl
 from core.metrics import METRICS_FILE, Throughput, format_eta
 
@@ -75,15 +78,36 @@ def attempts_of(run_dir: Path) -> list[Attempt]:
     return out
 
 
+def checkpoint_storage(run_dir: Path) -> Storage:
+    """Where a run's checkpoints are: checkpoint.dir of its config.yaml, else the run dir.
+    Redacted storage options are left out (credentials come from the environment)."""
+    ck: dict = {}
+    config = run_dir / "config.yaml"
+    if config.is_file():
+        try:
+            ck = (yaml.safe_load(config.read_text()) or {}).get("checkpoint") or {}
+        except yaml.YAMLError as e:
+            raise ReportError(f"{config}: not valid YAML ({type(e).__name__})") from e
+    options = {k: v for k, v in (ck.get("storage_options") or {}).items() if v != REDACTED}
+    try:
+        return open_storage(ck.get("dir") or run_dir, options)
+    except (ImportError, ValueError) as e:
+        raise ReportError(f"{run_dir}: cannot open its checkpoint store: {e}") from e
+
+
 def _newest_checkpoint(run_dir: Path) -> tuple[int, str, float, int | None, int]:
     """(step, name, created, total_steps, count) of the newest committed checkpoint."""
-    committed = list_committed(run_dir)
-    for step, path in committed:
-        try:
-            m = read_manifest(path)
-        except CheckpointError:
-            continue  # a corrupt manifest: the next older one is what a resume would use
-        return step, path.name, m.created, m.trajectory.get("total_steps"), len(committed)
+    storage = checkpoint_storage(run_dir)
+    try:
+        committed = list_committed(storage)
+        for step, name in committed:
+            try:
+                m = read_manifest(storage.child(name))
+            except CheckpointError:
+                continue  # a corrupt manifest: the next older one is what a resume would use
+            return step, name, m.created, m.trajectory.get("total_steps"), len(committed)
+    except OSError as e:
+        raise ReportError(f"{storage.display()}: cannot list checkpoints: {e}") from e
     return -1, "", 0.0, None, len(committed)
 
 

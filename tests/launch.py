@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +55,8 @@ def launcher_cmd(nproc: int | None, args: list[str]) -> list[str]:
     ]
 
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **(extra or {})}
     env["PYTHONPATH"] = str(REPO)
     env["OMP_NUM_THREADS"] = "1"
     env.pop("PYTEST_CURRENT_TEST", None)
@@ -76,11 +77,13 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run(cmd: list[str], cwd: Path, timeout: float = 240) -> Result:
+def run(
+    cmd: list[str], cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
+) -> Result:
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
-        env=child_env(),
+        env=child_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -98,7 +101,12 @@ def run(cmd: list[str], cwd: Path, timeout: float = 240) -> Result:
 
 
 def run_launcher(
-    tmp: Path, nproc: int | None, *overrides: str, config: str | None = None, timeout: float = 240
+    tmp: Path,
+    nproc: int | None,
+    *overrides: str,
+    config: str | None = None,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
 ) -> Result:
     args = [
         "--config",
@@ -109,7 +117,7 @@ def run_launcher(
         "never",
         *overrides,
     ]
-    return run(launcher_cmd(nproc, args), cwd=tmp.parent, timeout=timeout)
+    return run(launcher_cmd(nproc, args), cwd=tmp.parent, timeout=timeout, env=env)
 
 
 def read_metrics(run_dir: Path, summary: bool = False) -> list[dict]:
@@ -119,7 +127,11 @@ def read_metrics(run_dir: Path, summary: bool = False) -> list[dict]:
 
 
 def start(
-    run_dir: Path, nproc: int | None, *args: str, torchrun_args: tuple[str, ...] = ()
+    run_dir: Path,
+    nproc: int | None,
+    *args: str,
+    torchrun_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     cmd = launcher_cmd(
         nproc, ["--run.output_dir", str(run_dir), "--train.progress_bar", "never", *args]
@@ -129,7 +141,7 @@ def start(
     return subprocess.Popen(
         cmd,
         cwd=run_dir.parent,
-        env=child_env(),
+        env=child_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -156,3 +168,24 @@ def logged_steps(run_dir: Path) -> int:
 
 def saving(run_dir: Path) -> bool:
     return any(run_dir.glob(".tmp-checkpoint-*"))
+
+
+class Output:
+    """A process's combined output, collected line by line on a thread, so that a test can
+    wait for a log line while the process runs."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.append(line)
+
+    def count(self, text: str) -> int:
+        return sum(text in line for line in list(self.lines))
+
+    def text(self) -> str:
+        self._thread.join(timeout=30)
+        return "".join(self.lines)

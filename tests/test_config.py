@@ -79,6 +79,10 @@ def test_public_cli_surface_is_pinned():
         "optim": ["name", "lr", "weight_decay", "beta1", "beta2", "eps", "momentum"],
         "scheduler": ["name", "warmup_steps", "warmup_ratio", "kwargs"],
         "checkpoint": [
+            "dir",
+            "storage_options",
+            "async_save",
+            "retries",
             "save_steps",
             "save_total_limit",
             "resume_from",

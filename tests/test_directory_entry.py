@@ -45,7 +45,8 @@ def save(root: Path, blobs: Blobs, step: int = 1) -> Path:
     counter = Counter()
     counter.n = step
     entries = {"engine": Entry(blobs), "counter": Entry(counter)}
-    return manager.save(step, entries, {}, "fp", checks={}, rank_checks={})
+    (saved,) = manager.save(step, entries, {}, "fp", checks={}, rank_checks={})
+    return Path(saved.location)
 
 
 def test_directory_files_are_in_the_manifest(tmp_path):
@@ -71,7 +72,7 @@ def test_latest_skips_the_corrupt_one_and_loads_the_directory(tmp_path):
     (second / "engine" / "tag" / "shard-0.pt").write_bytes(b"SECOND")  # same size, altered
     manager = CheckpointManager(tmp_path, engine="deepspeed")
     path, manifest = manager.resolve("latest")
-    assert path.name == "checkpoint-1"
+    assert path.local_path() == tmp_path / "checkpoint-1"
     blobs, counter = Blobs(b""), Counter()
     manager.load(path, manifest, {"engine": Entry(blobs), "counter": Entry(counter)})
     assert blobs.loaded == b"first" and counter.n == 1

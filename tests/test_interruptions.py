@@ -45,8 +45,8 @@ def reference(tmp_path_factory) -> Path:
 
 
 def assert_every_checkpoint_valid(run_dir: Path) -> None:
-    for _, path in list_checkpoints(run_dir):
-        verify(path)  # a `checkpoint-<step>` that exists is always complete
+    for _, name in list_checkpoints(run_dir):
+        verify(run_dir / name)  # a `checkpoint-<step>` that exists is always complete
 
 
 def test_sigkill_at_random_moments_including_mid_save(tmp_path, reference):
@@ -85,7 +85,8 @@ def test_sigterm_under_torchrun_checkpoints_and_resumes(tmp_path, reference):
     # torchrun itself exits 1 on the signal; each worker committed and exited 75 (preempted)
     assert proc.returncode == 1
     assert "preempted at step" in out, out
-    (step, path), *_ = list_checkpoints(run_dir)
+    (step, name), *_ = list_checkpoints(run_dir)
+    path = run_dir / name
     assert verify(path).step == step and 5 <= step < STEPS
     assert read_metrics(run_dir)[-1]["step"] == step
     result = run_launcher(run_dir, 2, *args)

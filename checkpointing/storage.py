@@ -1,0 +1,455 @@
+"""Where checkpoints live: one small interface over a local directory or any fsspec URL.
+
+Every checkpoint read and write in the project goes through a `Storage`, a directory handle
+addressed by relative posix paths. Two implementations:
+
+- `LocalStorage` (a path or `file://`): plain files, fsynced as written; a checkpoint commits by
+  renaming its temp directory (atomic on a POSIX filesystem).
+- `FsspecStorage` (`s3://`, `gs://`, `memory://`, any fsspec protocol): object-store semantics.
+  There is no atomic rename, so a checkpoint commits by writing its manifest last, after every
+  other object is confirmed written; deleting one removes the manifest first.
+
+fsspec itself cannot fsync a local file or rename a directory atomically, which the local commit
+protocol needs; that is why local paths get their own implementation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_READ_CHUNK = 8 << 20
+# Object-store parts: large enough that per-request overhead vanishes.
+_BLOCK = 64 << 20
+
+
+class StorageError(OSError):
+    """The checkpoint store failed an operation after every retry (one line: what and why)."""
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """Size in bytes and hex sha256 of a file exactly as written."""
+
+    size: int
+    sha256: str
+
+
+def digest_stream(f: BinaryIO) -> tuple[int, str]:
+    """(bytes read, hex sha256) of what is left in an open binary file."""
+    h = hashlib.sha256()
+    size = 0
+    while chunk := f.read(_READ_CHUNK):
+        h.update(chunk)
+        size += len(chunk)
+    return size, h.hexdigest()
+
+
+def display_url(url: str) -> str:
+    """`url` without any user:password part, for logs and error messages."""
+    return re.sub(r"^([a-zA-Z][\w+.-]*://)[^/@]*@", r"\1", url)
+
+
+# Storage options that never hold a secret; every other value is redacted where it is written.
+_PUBLIC_OPTIONS = frozenset(
+    {
+        "endpoint_url",
+        "region_name",
+        "anon",
+        "use_ssl",
+        "verify",
+        "client_kwargs",
+        "config_kwargs",
+        "s3",
+        "addressing_style",
+        "signature_version",
+        "retries",
+        "max_attempts",
+        "mode",
+        "connect_timeout",
+        "read_timeout",
+        "max_pool_connections",
+        "requester_pays",
+        "default_block_size",
+        "default_fill_cache",
+        "version_aware",
+        "cache_regions",
+        "use_listings_cache",
+        "listings_expiry_time",
+        "skip_instance_cache",
+        "max_concurrency",
+        "project",
+        "location",
+        "auto_mkdir",
+    }
+)
+REDACTED = "<redacted>"
+
+
+def redact_options(options: Any) -> Any:
+    """`options` with every value under a key not known to be public replaced by REDACTED."""
+    if isinstance(options, str):
+        return display_url(options)
+    if not isinstance(options, dict):
+        return options
+    return {k: redact_options(v) if k in _PUBLIC_OPTIONS else REDACTED for k, v in options.items()}
+
+
+# --------------------------------------------------------------------------- retries
+
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def _transient_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [OSError, TimeoutError]
+    try:  # the object-store clients' own base errors, when they are installed
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        types += [BotoCoreError, ClientError]
+    except ImportError:
+        pass
+    try:
+        from aiohttp import ClientError as AiohttpError
+
+        types.append(AiohttpError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def is_transient(e: BaseException) -> bool:
+    """An error worth retrying: the store or the network, not a missing file or a refusal."""
+    if isinstance(e, (StorageError, *_PERMANENT)):
+        return False
+    return isinstance(e, _transient_types())
+
+
+def retrying(
+    what: str, fn: Callable[[], T], retries: int, backoff: float = 0.5, log: bool = True
+) -> T:
+    """`fn()`, retried up to `retries` times on transient errors with exponential backoff
+    (backoff, 2*backoff, ...); then StorageError naming `what` and the last error."""
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            if attempt == retries:
+                raise StorageError(
+                    f"{what}: failed after {retries + 1} attempts: {type(e).__name__}: {e}"
+                ) from e
+            delay = backoff * 2**attempt
+            if log:
+                logger.warning("%s: %s: %s; retrying in %.1f s", what, type(e).__name__, e, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- writers
+
+
+class HashingWriter:
+    """Writes buffers to an open file while a worker thread hashes the same buffers (hashlib
+    and raw writes release the GIL), so a file is never read back to learn its sha256."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self._sha = hashlib.sha256()
+        self._size = 0
+        self._pool = ThreadPoolExecutor(1, "sha256")
+        self._pending: list[Future] = []
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        self._pending.append(self._pool.submit(self._sha.update, view))
+        self._size += view.nbytes
+        while view:  # a raw write may be partial
+            n = self._f.write(view)
+            view = view[n if n is not None else len(view) :]
+
+    def drain(self) -> None:
+        """Wait until the hasher has caught up (so the caller may free what it wrote)."""
+        for fut in self._pending:
+            fut.result()
+        self._pending.clear()
+
+    def digest(self) -> FileDigest:
+        self.drain()
+        self._pool.shutdown()
+        return FileDigest(self._size, self._sha.hexdigest())
+
+    def abandon(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+# --------------------------------------------------------------------------- storages
+
+
+class Storage:
+    """A directory of a local filesystem or an object store; paths are relative posix strings.
+
+    `write` hashes what it writes and returns when the file is durable (local: fsynced;
+    object store: the upload completed). Listing sees what other processes wrote.
+    """
+
+    url: str
+    atomic_rename: bool = False
+    retries: int = 3
+
+    def child(self, rel: str) -> Storage:
+        raise NotImplementedError
+
+    def exists(self, rel: str) -> bool:
+        raise NotImplementedError
+
+    def isdir(self, rel: str = "") -> bool:
+        raise NotImplementedError
+
+    def size(self, rel: str) -> int:
+        raise NotImplementedError
+
+    def listdir(self, rel: str = "") -> list[str]:
+        """Names of the entries directly under `rel` (empty when it does not exist)."""
+        raise NotImplementedError
+
+    def files(self, rel: str = "") -> list[str]:
+        """Every file under `rel`, as paths relative to this storage."""
+        raise NotImplementedError
+
+    def open_read(self, rel: str) -> Any:
+        raise NotImplementedError
+
+    def read_bytes(self, rel: str) -> bytes:
+        raise NotImplementedError
+
+    @contextmanager
+    def writer(self, rel: str) -> Iterator[HashingWriter]:
+        """`with storage.writer(rel) as w: w.write(...)`; the file is durable after the block;
+        its digest is `w.digest()`, valid once the block ends without an error."""
+        raise NotImplementedError
+        yield
+
+    def write_bytes(self, rel: str, data: bytes) -> FileDigest:
+        with self.writer(rel) as w:
+            w.write(data)
+        return w.digest()
+
+    def remove(self, rel: str) -> None:
+        """Delete a file or a tree; nothing when it does not exist."""
+        raise NotImplementedError
+
+    def rename(self, src: str, dst: str) -> None:
+        raise NotImplementedError(f"{self.url}: no atomic rename on this storage")
+
+    def sync_dir(self, rel: str = "") -> None:
+        """Make the entries created in directory `rel` durable (a no-op on object stores)."""
+
+    def local_path(self, rel: str = "") -> Path | None:
+        """The local path of `rel`, or None when the storage is not a local filesystem."""
+        return None
+
+    def display(self, rel: str = "") -> str:
+        """`rel` as a user reads it in logs (a path, or a URL without credentials)."""
+        return display_url(self._join(self.url, rel))
+
+    @staticmethod
+    def _join(base: str, rel: str) -> str:
+        return f"{base.rstrip('/')}/{rel}" if rel else base
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.display()!r})"
+
+
+class LocalStorage(Storage):
+    atomic_rename = True
+
+    def __init__(self, root: str | os.PathLike, retries: int = 3) -> None:
+        self.root = Path(root)
+        self.url = str(self.root)
+        self.retries = retries
+
+    def _p(self, rel: str) -> Path:
+        return self.root / rel if rel else self.root
+
+    def child(self, rel: str) -> LocalStorage:
+        return LocalStorage(self._p(rel), self.retries)
+
+    def exists(self, rel: str) -> bool:
+        return self._p(rel).exists()
+
+    def isdir(self, rel: str = "") -> bool:
+        return self._p(rel).is_dir()
+
+    def size(self, rel: str) -> int:
+        return self._p(rel).stat().st_size
+
+    def listdir(self, rel: str = "") -> list[str]:
+        p = self._p(rel)
+        return sorted(c.name for c in p.iterdir()) if p.is_dir() else []
+
+    def files(self, rel: str = "") -> list[str]:
+        base = self._p(rel)
+        return sorted(p.relative_to(self.root).as_posix() for p in base.rglob("*") if p.is_file())
+
+    def open_read(self, rel: str) -> BinaryIO:
+        return self._p(rel).open("rb")
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self._p(rel).read_bytes()
+
+    @contextmanager
+    def writer(self, rel: str) -> Iterator[HashingWriter]:
+        path = self._p(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb", buffering=0) as f:
+            w = HashingWriter(f)
+            try:
+                yield w
+                os.fsync(f.fileno())  # the hasher catches up meanwhile
+            except BaseException:
+                w.abandon()
+                raise
+
+    def remove(self, rel: str) -> None:
+        p = self._p(rel)
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+    def rename(self, src: str, dst: str) -> None:
+        self._p(src).rename(self._p(dst))
+
+    def sync_dir(self, rel: str = "") -> None:
+        fd = os.open(self._p(rel), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def local_path(self, rel: str = "") -> Path:
+        return self._p(rel)
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem, used with object-store semantics (no rename, manifest last)."""
+
+    def __init__(self, fs: Any, root: str, url: str, retries: int = 3) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url.rstrip("/")
+        self.retries = retries
+
+    def _p(self, rel: str) -> str:
+        return self._join(self.root, rel)
+
+    def child(self, rel: str) -> FsspecStorage:
+        return FsspecStorage(self.fs, self._p(rel), self._join(self.url, rel), self.retries)
+
+    def _fresh(self) -> None:
+        # Listings are cached per filesystem instance; other processes write the same store.
+        self.fs.invalidate_cache()
+
+    def exists(self, rel: str) -> bool:
+        self._fresh()
+        return self.fs.exists(self._p(rel))
+
+    def isdir(self, rel: str = "") -> bool:
+        self._fresh()
+        return self.fs.isdir(self._p(rel))
+
+    def size(self, rel: str) -> int:
+        self._fresh()
+        return int(self.fs.size(self._p(rel)))
+
+    def listdir(self, rel: str = "") -> list[str]:
+        self._fresh()
+        try:
+            entries = self.fs.ls(self._p(rel), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+    def files(self, rel: str = "") -> list[str]:
+        self._fresh()
+        base = self._p(rel)
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return []
+        strip = self.fs._strip_protocol(self.root).rstrip("/") + "/"
+        return sorted(p[len(strip) :] for p in found if p.startswith(strip))
+
+    def open_read(self, rel: str) -> Any:
+        return self.fs.open(self._p(rel), "rb", block_size=_BLOCK)
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.fs.cat_file(self._p(rel))
+
+    @contextmanager
+    def writer(self, rel: str) -> Iterator[HashingWriter]:
+        f = self.fs.open(self._p(rel), "wb", block_size=_BLOCK)
+        w = HashingWriter(f)
+        try:
+            yield w
+        except BaseException:
+            w.abandon()
+            # Never complete a partial upload: an object-store file appears whole or not at all.
+            discard = getattr(f, "discard", None)
+            if discard is not None:
+                discard()
+            else:
+                f.close()
+            raise
+        f.close()  # completes the upload; errors here propagate
+
+    def remove(self, rel: str) -> None:
+        self._fresh()
+        path = self._p(rel)
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+
+def open_storage(
+    url: str | os.PathLike, options: dict[str, Any] | None = None, retries: int = 3
+) -> Storage:
+    """A Storage for a local path, `file://` URL or any fsspec URL (`s3://bucket/run`).
+
+    `options` are the fsspec filesystem's keyword arguments (s3fs: key, secret, endpoint_url,
+    client_kwargs...); credentials may equally come from the environment, as the client reads it.
+    """
+    if isinstance(url, Storage):
+        return url
+    text = os.fspath(url)
+    if "://" not in text:
+        return LocalStorage(text, retries)
+    if text.startswith("file://"):
+        return LocalStorage(text[len("file://") :], retries)
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(text, **(options or {}))
+    return FsspecStorage(fs, root, text, retries)
+
+
+def as_storage(where: str | os.PathLike | Storage) -> Storage:
+    """A Storage as is, or a LocalStorage / fsspec storage for a path or URL."""
+    return where if isinstance(where, Storage) else open_storage(where)
+
+
+def is_private_to_process(url: str) -> bool:
+    """True for stores that live in one process's memory (every rank would see its own)."""
+    return os.fspath(url).startswith("memory://")
