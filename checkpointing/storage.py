@@ -408,12 +408,11 @@ class FsspecStorage(Storage):
             yield w
         except BaseException:
             w.abandon()
-            # Never complete a partial upload: an object-store file appears whole or not at all.
+            # Never complete a partial upload: buffered object-store files abort it, and the
+            # others store nothing until closed.
             discard = getattr(f, "discard", None)
             if discard is not None:
                 discard()
-            else:
-                f.close()
             raise
         f.close()  # completes the upload; errors here propagate
 
