@@ -1,9 +1,9 @@
 """Reading the files DeepSpeed's `save_checkpoint` wrote inside one of our checkpoints.
 
 A checkpoint of engine `deepspeed` holds one directory entry: DeepSpeed's save_dir, with its
-shards under one tag sub-directory. DeepSpeed reads them with `torch.load(weights_only=False)`,
-a pickle that can run code: call these only on a checkpoint `verify` has passed, so every byte
-is the one our manifest recorded at save time.
+shards under one tag sub-directory. Call these only on a checkpoint `verify` has passed; every
+shard is then read with `torch.load(weights_only=True)` (checkpointing/deepspeed_safe_load.py),
+so a file that would run code when unpickled is refused.
 """
 
 from __future__ import annotations
@@ -29,14 +29,24 @@ def deepspeed_tag_dir(path: Path, manifest: Manifest) -> Path:
 def deepspeed_weights(path: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
     """Full fp32 weights of a verified DeepSpeed checkpoint: ZeRO 1-3 shards consolidated by
     DeepSpeed's own zero_to_fp32 (exact: it concatenates the fp32 partitions); without ZeRO,
-    the module state DeepSpeed saved whole."""
+    the module state DeepSpeed saved whole. A shard that pickles more than DeepSpeed's tensors
+    and plain state is a CheckpointCorruptError naming it; nothing in it runs."""
+    from checkpointing.deepspeed_safe_load import (
+        check_deepspeed_files,
+        load_deepspeed_file,
+        weights_only_torch_loads,
+    )
+
     tag_dir = deepspeed_tag_dir(path, manifest)
+    check_deepspeed_files(tag_dir)  # names the file a refusal inside zero_to_fp32 would not
     if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        # zero_to_fp32 calls torch.load(weights_only=False) itself and takes no loader, and its
+        # consolidation of already loaded dicts is private: torch's own switch forces its loads
+        # to weights_only=True, with the same allow-list.
+        with weights_only_torch_loads(tag_dir):
+            return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     # Stage 0 in fp32: the module's state is saved whole by rank 0.
-    state = torch.load(
-        tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
-    )
+    state = load_deepspeed_file(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu")
     return {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()}

@@ -149,8 +149,8 @@ def test_sigkill_at_random_moments_including_mid_save(tmp_path, reference):
             time.sleep(rng.uniform(0, 0.05))
         kill_tree(proc)  # torchrun and every worker, by pid
         hits += hit
-        for _, path in list_checkpoints(run_dir):
-            verify(path)  # a checkpoint-<step> that exists is always complete
+        for _, name in list_checkpoints(run_dir):
+            verify(run_dir / name)  # a checkpoint-<step> that exists is always complete
     assert hits == 2, "the run ended before a kill: the test tested nothing"
     finish_like(ref, run_dir, ds_args(stage))
 
@@ -168,7 +168,8 @@ def test_sigterm_commits_and_resumes_exactly(tmp_path, reference):
         if proc.poll() is None:
             kill_tree(proc)
     assert "preempted at step" in out, out
-    (step, path), *_ = list_checkpoints(run_dir)
+    (step, name), *_ = list_checkpoints(run_dir)
+    path = run_dir / name
     assert 5 <= step < STEPS and verify(path).engine == "deepspeed"
     assert f"resumed from {path}" in finish_like(ref, run_dir, args)
 
@@ -200,7 +201,7 @@ def test_bf16_zero2_resumes_exactly(tmp_path):
     ref, _ = _ref_and_resume(tmp_path, ds_args(2, "--train.bf16", "true"), 16)
     # bf16 really ran: DeepSpeed keeps the module in bf16 (fp32 master weights in the shards).
     shards = ref / f"checkpoint-{STEPS}" / "deepspeed"
-    module = torch.load(next(shards.rglob("mp_rank_00_model_states.pt")), weights_only=False)
+    module = torch.load(next(shards.rglob("mp_rank_00_model_states.pt")), weights_only=True)
     assert module["module"]["wte.weight"].dtype == torch.bfloat16
 
 

@@ -9,8 +9,9 @@ DeepSpeed then steps and checkpoints itself.
 Checkpoints: DeepSpeed's `save_checkpoint` writes model and optimizer shards into the
 `deepspeed/` directory of our temporary checkpoint (with `save_latest=False`: its `latest` file is
 never written nor read); our manager hashes every file it wrote into the manifest and commits.
-DeepSpeed loads its files with `torch.load(weights_only=False)`, a pickle that can run code: the
-manager verifies every file's sha256 against the manifest before DeepSpeed reads any of them.
+On resume the manager verifies every file's sha256 first; then DeepSpeed reads its files through
+our checkpoint engine, with `torch.load(weights_only=True)` (checkpointing/deepspeed_safe_load.py):
+a file that would run code when unpickled is refused, never executed.
 """
 
 from __future__ import annotations
@@ -100,6 +101,30 @@ def _skip_shm_op_build() -> None:
     ds_torch.build_shm_op = lambda: None
 
 
+def _load_weights_only(engine: Any) -> None:
+    """Make every file DeepSpeed's load_checkpoint reads load with weights_only=True: its
+    pluggable checkpoint engine is the one place those loads go through (as we call it: with
+    optimizer states, not from a universal checkpoint, whose loads call torch.load directly)."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    from checkpointing.deepspeed_safe_load import WeightsOnlyCheckpointEngine
+
+    if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
+        raise ConfigError(
+            f"engine.deepspeed_config: DeepSpeed's {type(engine.checkpoint_engine).__name__} is "
+            "not supported (checkpoint.writer, datastates); its default torch engine is, and "
+            "resumes load through it with weights_only=True"
+        )
+    if engine.load_universal_checkpoint():
+        raise ConfigError(
+            "engine.deepspeed_config: checkpoint.load_universal is not supported (DeepSpeed "
+            "unpickles universal checkpoints with weights_only=False)"
+        )
+    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(
+        engine.checkpoint_serialization_enabled()
+    )
+
+
 class DeepSpeedShards:
     """The checkpoint entry of DeepSpeed's own files (a directory entry: a collective)."""
 
@@ -111,6 +136,9 @@ class DeepSpeedShards:
         self._engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
 
     def load_from(self, directory: Path) -> None:
+        from checkpointing.deepspeed_safe_load import check_deepspeed_files
+
+        check_deepspeed_files(directory / TAG)  # every rank refuses a bad file alike, up front
         path, _ = self._engine.load_checkpoint(
             str(directory),
             tag=TAG,
@@ -164,6 +192,7 @@ class DeepSpeedEngine(Engine):
             config=ds_config,
             dist_init_required=False,
         )
+        _load_weights_only(engine)
         self._ds = engine
         # The torch optimizer inside DeepSpeed's wrapper: param_groups (and so the lr) shared.
         self.optimizer = optimizer if optimizer is not None else engine.basic_optimizer
