@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import logging
@@ -116,15 +117,22 @@ def test_planted_pickle_is_refused_and_never_runs(run_dir, tmp_path, rel):
 
 
 def test_no_pickle_loader_in_checkpointing():
+    """No call in checkpointing/ can unpickle code: no pickle.load(s), and every torch.load
+    (DeepSpeed's shards only) passes weights_only=True."""
     root = Path(__file__).resolve().parent.parent / "checkpointing"
+    torch_loads = 0
     for path in root.rglob("*.py"):
-        if path.name == "deepspeed_files.py":
-            # The one exception: DeepSpeed's shards are pickles DeepSpeed itself reads, only
-            # after verify() (tests/test_deepspeed.py: a corrupt shard is refused first).
-            continue
-        text = path.read_text()
-        for needle in ("torch.load(", "pickle.load", "import pickle"):
-            assert needle not in text, f"{path.name} uses {needle}"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            owner = node.func.value
+            name = f"{owner.id if isinstance(owner, ast.Name) else '?'}.{node.func.attr}"
+            assert name not in ("pickle.load", "pickle.loads"), f"{path.name} calls {name}"
+            if name == "torch.load":
+                torch_loads += 1
+                flags = {k.arg: getattr(k.value, "value", None) for k in node.keywords}
+                assert flags.get("weights_only") is True, f"{path.name}:{node.lineno}"
+    assert torch_loads >= 1  # the DeepSpeed loader is there, and was checked
 
 
 @pytest.mark.parametrize(
