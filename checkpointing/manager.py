@@ -25,9 +25,10 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,36 +36,30 @@ import torch.distributed as dist
 from checkpointing.comm import barrier, broadcast_object, gather_objects
 from checkpointing.manifest import (
     MANIFEST,
-    CheckpointCorruptError,
-    CheckpointError,
     Manifest,
     checkpoint_step,
-    list_checkpoints,
     list_committed,
     read_manifest,
-    verify_file,
 )
+from checkpointing.restore import Restorer
 from checkpointing.serialize import (
     FileDigest,
-    StateFormatError,
     encode_views,
     json_bytes,
-    load_state,
     sync_and_digest,
     write_encoded,
 )
 from checkpointing.staging import BackgroundSave, SaveOutcome, Staging
-from checkpointing.stateful import DirectoryState, Stateful
+from checkpointing.stateful import Entry, rank_name, split_by_size
 from checkpointing.storage import (
     Storage,
     StorageError,
     as_storage,
-    digest_stream,
-    open_storage,
     retrying,
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TMP_PREFIX = ".tmp-checkpoint-"
 TRASH_PREFIX = ".trash-"
@@ -72,26 +67,6 @@ TRASH_PREFIX = ".trash-"
 
 class CheckpointSaveError(StorageError):
     """A save could not be committed (the store failed after its retries, on some rank)."""
-
-
-@dataclass
-class Entry:
-    """One piece of state: global entries are written once (rank 0), per-rank ones by every
-    rank as `<name>/rank-<r>`; a DirectoryState writes its own files under `<name>/`."""
-
-    obj: Stateful | DirectoryState
-    per_rank: bool = False
-
-    @property
-    def kind(self) -> str:
-        """How the manifest records the entry: global, per_rank or directory."""
-        if isinstance(self.obj, DirectoryState) and not isinstance(self.obj, Stateful):
-            return "directory"
-        return "per_rank" if self.per_rank else "global"
-
-
-def _rank_name(name: str, rank: int) -> str:
-    return f"{name}/rank-{rank:05d}"
 
 
 @dataclass
@@ -111,19 +86,6 @@ class _Snapshot:
     t0: float = field(default_factory=time.perf_counter)
 
 
-def _split_by_size(sized: list[tuple[int, str]], world_size: int, rank: int) -> list[str]:
-    """This rank's share of files: largest first, each to the rank with the fewest bytes so far.
-    Every rank computes the same split from the same list."""
-    load = [0] * world_size
-    mine = []
-    for size, rel in sorted(sized, reverse=True):
-        r = min(range(world_size), key=lambda i: (load[i], i))
-        load[r] += size
-        if r == rank:
-            mine.append(rel)
-    return mine
-
-
 class CheckpointManager:
     """Owns `<root>/checkpoint-<step>`: save (sync or in the background), find, verify, load,
     retain."""
@@ -141,7 +103,7 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.storage = as_storage(root)
-        self.storage_options = storage_options  # for a resume_from URL elsewhere
+        self._restorer = Restorer(self.storage, rank, world_size, group, storage_options)
         self.rank = rank
         self.world_size = world_size
         self.save_total_limit = save_total_limit
@@ -182,6 +144,9 @@ class CheckpointManager:
         every rank into `checks[key] = [value of rank 0, value of rank 1, ...]`.
         """
         done = self.wait(f"saving checkpoint-{step}")
+        for outcome in done:
+            if outcome.error is not None:  # every rank waited for the same outcome
+                raise outcome.error
         t0 = time.perf_counter()
         header = {
             "trajectory": trajectory,
@@ -248,9 +213,18 @@ class CheckpointManager:
     ) -> _Snapshot:
         local = self.storage.atomic_rename
         target = f"{TMP_PREFIX}{step}" if local else f"checkpoint-{step}"
+        error = None
         if self.rank == 0:
-            self._prepare_target(step, target)
-        barrier(self.group)
+            try:
+                self._store(
+                    f"preparing {self.storage.display(target)}",
+                    lambda: self._prepare_target(target),
+                )
+            except OSError as e:
+                error = CheckpointSaveError(f"checkpoint-{step} was not started: {e}")
+        error = broadcast_object(error, self.group)  # every rank learns it (a barrier too)
+        if error is not None:
+            raise error
 
         files, directories, staged = [], [], None
         for name, entry in entries.items():
@@ -268,7 +242,7 @@ class CheckpointManager:
                 continue
             if not entry.per_rank and self.rank != 0:
                 continue
-            file = _rank_name(name, self.rank) if entry.per_rank else name
+            file = rank_name(name, self.rank) if entry.per_rank else name
             structure, tensors, live = encode_views(entry.obj.state_dict())
             if stage:
                 tensors = self._staging.stage(file, tensors, live)
@@ -277,7 +251,7 @@ class CheckpointManager:
             barrier(self.group)  # every rank's engine files are written before any is hashed
         return _Snapshot(step, target, files, directories, staged, header, rank_checks)
 
-    def _prepare_target(self, step: int, target: str) -> None:
+    def _prepare_target(self, target: str) -> None:
         """Rank 0, before any rank writes: an empty place for this step's files."""
         if self.storage.atomic_rename:
             root = self.storage.local_path()
@@ -330,7 +304,7 @@ class CheckpointManager:
             # hashes a share of its files, whoever wrote what.
             root = target.local_path()
             sized = [(target.size(rel), rel) for d in snap.directories for rel in target.files(d)]
-            mine = _split_by_size(sized, self.world_size, self.rank)
+            mine = split_by_size(sized, self.world_size, self.rank)
             return {rel: sync_and_digest(root / rel) for rel in mine}
         # Object store: each rank uploads what its engine wrote into its own staging folder.
         out = {}
@@ -408,7 +382,7 @@ class CheckpointManager:
             for _, old in self.committed()[self.save_total_limit :]:
                 if old not in protected:
                     logger.info("deleting %s (save_total_limit %d)", old, self.save_total_limit)
-                    self._delete(old)
+                    self.delete(old)
         except OSError as e:
             logger.warning("retention: %s; the next save retries", e)
 
@@ -425,8 +399,9 @@ class CheckpointManager:
         return pick(scored, key=lambda item: item[0])[1]
 
     def delete(self, name: str) -> None:
-        """Remove a checkpoint so that no instant shows it committed with files missing."""
-        self._delete(name)
+        """Remove a checkpoint so that no instant shows it committed with files missing
+        (retried; StorageError when the store keeps failing)."""
+        self._store(f"deleting {self.storage.display(name)}", lambda: self._delete(name))
 
     def _delete(self, name: str) -> None:
         if self.storage.atomic_rename:
@@ -438,8 +413,8 @@ class CheckpointManager:
             return
         # No rename on an object store: the manifest goes first, then the objects.
         child = self.storage.child(name)
-        retrying(f"deleting {child.display(MANIFEST)}", lambda: child.remove(MANIFEST), 3)
-        retrying(f"deleting {child.display()}", lambda: self.storage.remove(name), 3)
+        child.remove(MANIFEST)
+        self.storage.remove(name)
 
     def _empty_trash(self) -> None:
         for name in self.storage.listdir():
@@ -450,9 +425,11 @@ class CheckpointManager:
     def clean_leftovers(self) -> None:
         """Remove what interrupted saves left (rank 0, before any save): temp and trash
         directories, and on object stores `checkpoint-<step>/` objects without a manifest."""
-        if self.rank != 0:
-            return
-        committed = {name for _, name in self.committed()}
+        if self.rank == 0:
+            self._store(f"cleaning {self.root}", self._clean_leftovers)
+
+    def _clean_leftovers(self) -> None:
+        committed = {name for _, name in list_committed(self.storage)}
         for name in self.storage.listdir():
             leftover = name.startswith((TMP_PREFIX, TRASH_PREFIX)) or (
                 not self.storage.atomic_rename
@@ -465,135 +442,20 @@ class CheckpointManager:
 
     def committed(self) -> list[tuple[int, str]]:
         """Checkpoints whose manifest exists (not verified), newest first."""
-        return list_committed(self.storage)
+        return self._store(f"listing {self.root}", lambda: list_committed(self.storage))
 
     def resolve(self, resume_from: str) -> tuple[Storage, Manifest] | None:
-        """The verified checkpoint to resume; every rank gets the same answer.
-
-        `latest`: the newest checkpoint that verifies (corrupt newer ones are reported, one line
-        each); None when there is none. `none`: None. A path or URL: that checkpoint, or an
-        error. The ranks verify in parallel: each rank its own per-rank files and a share of
-        the others, so per-rank pieces are read by their ranks only.
-        """
-        if resume_from == "none":
-            return None
-        explicit = resume_from != "latest"
-        names: Any = None
-        if self.rank == 0:
-            try:
-                listed = [resume_from] if explicit else list_checkpoints(self.storage)
-                names = [n if explicit else n[1] for n in listed]
-            except Exception as e:
-                names = e
-        names = broadcast_object(names, self.group)
-        if isinstance(names, BaseException):
-            raise names
-        for name in names:
-            if explicit:
-                storage = open_storage(resume_from, self.storage_options, self.storage.retries)
-            else:
-                storage = self.storage.child(name)
-            found = self._verify_together(storage, explicit)
-            if found is not None:
-                return storage, found
-        return None
-
-    def _verify_together(self, storage: Storage, explicit: bool) -> Manifest | None:
-        manifest: Any = None
-        if self.rank == 0:
-            try:
-                if explicit and not storage.isdir():
-                    raise CheckpointError(
-                        f"checkpoint.resume_from: no checkpoint at {storage.display()}"
-                    )
-                manifest = read_manifest(storage)
-            except Exception as e:
-                manifest = e
-        manifest = broadcast_object(manifest, self.group)
-        error: BaseException | None = manifest if isinstance(manifest, BaseException) else None
-        if error is None:
-            try:
-                for rel in self._verify_share(manifest):
-                    verify_file(storage, rel, manifest.files[rel])
-            except Exception as e:
-                error = e
-            errors = gather_objects(error, self.group)
-            if self.rank == 0:
-                # A store failure beats corruption: it says nothing about the checkpoint.
-                errors = [e for e in errors if e is not None]
-                errors.sort(key=lambda e: isinstance(e, CheckpointCorruptError))
-                error = errors[0] if errors else None
-            error = broadcast_object(error, self.group)
-        if error is None:
-            return manifest
-        if explicit or not isinstance(error, CheckpointCorruptError):
-            raise error
-        if self.rank == 0:
-            logger.warning("skipping %s: %s", storage.display().rsplit("/", 1)[-1], error)
-        return None
-
-    def _verify_share(self, manifest: Manifest) -> list[str]:
-        """The files this rank verifies: its own per-rank files, and a share of the rest."""
-        own, rest = [], []
-        for rel, meta in manifest.files.items():
-            owner = _rank_owner(rel, manifest.entries)
-            if owner is not None and owner < self.world_size:
-                if owner == self.rank:
-                    own.append(rel)
-            else:
-                rest.append((meta["size"], rel))
-        return own + _split_by_size(rest, self.world_size, self.rank)
+        """The verified checkpoint to resume (`latest`, `none`, a path or URL); every rank
+        gets the same answer. See checkpointing/restore.py."""
+        return self._restorer.resolve(resume_from)
 
     def load(self, where: Storage, manifest: Manifest, entries: dict[str, Entry]) -> None:
         """Restore every entry from a verified checkpoint, in the mapping's order."""
-        missing = sorted(set(entries) - set(manifest.entries))
-        if missing:
-            raise CheckpointError(f"{where.display()}: holds no state for {', '.join(missing)}")
-        bound = any(e.kind != "global" for e in entries.values())
-        if bound and manifest.world_size != self.world_size:
-            raise CheckpointError(
-                f"{where.display()}: saved by {manifest.world_size} ranks, this run has "
-                f"{self.world_size}"
-            )
-        for name, entry in entries.items():
-            if entry.kind == "directory":
-                if manifest.entries[name] != "directory":
-                    raise CheckpointError(
-                        f"{where.display()}: {name} is not a directory entry there"
-                    )
-                self._load_directory(where, manifest, name, entry.obj)
-                continue
-            file_name = _rank_name(name, self.rank) if entry.per_rank else name
-            try:
-                state = load_state(where, file_name, manifest.files)
-            except StateFormatError as e:
-                raise CheckpointCorruptError(f"refusing to load: {e}") from e
-            entry.obj.load_state_dict(state)
+        self._restorer.load(where, manifest, entries)
 
-    def _load_directory(self, where: Storage, manifest: Manifest, name: str, obj: Any) -> None:
-        local = where.local_path(name)
-        if local is not None:
-            obj.load_from(local)  # verified before: sha256 of every file
-            return
-        # An engine reads local files: download the entry, checking each file as it lands.
-        with tempfile.TemporaryDirectory(prefix="checkpoint-load-") as tmp:
-            for rel, meta in manifest.files.items():
-                if rel.startswith(f"{name}/"):
-                    retrying(
-                        f"downloading {where.display(rel)}",
-                        lambda rel=rel, meta=meta: _download(where, rel, Path(tmp) / rel, meta),
-                        where.retries,
-                    )
-            obj.load_from(Path(tmp) / name)
-
-
-def _rank_owner(rel: str, entries: dict[str, str]) -> int | None:
-    """The rank whose per-rank file `rel` is (`<name>/rank-<r>.<ext>`), else None."""
-    head, _, tail = rel.partition("/")
-    if entries.get(head) != "per_rank" or not tail.startswith("rank-"):
-        return None
-    digits = tail[len("rank-") :].split(".", 1)[0]
-    return int(digits) if digits.isdigit() else None
+    def _store(self, what: str, fn: Callable[[], T]) -> T:
+        """A store operation of the training thread, retried; StorageError when it fails."""
+        return retrying(what, fn, self.storage.retries)
 
 
 def _upload(target: Storage, rel: str, path: Path) -> FileDigest:
@@ -601,13 +463,3 @@ def _upload(target: Storage, rel: str, path: Path) -> FileDigest:
         while chunk := f.read(16 << 20):
             w.write(chunk)
     return w.digest()
-
-
-def _download(where: Storage, rel: str, dest: Path, meta: dict[str, Any]) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with where.open_read(rel) as src, dest.open("wb") as out:
-        shutil.copyfileobj(src, out, 16 << 20)
-    with dest.open("rb") as f:
-        size, sha = digest_stream(f)
-    if (size, sha) != (meta["size"], meta["sha256"]):
-        raise CheckpointCorruptError(f"{where.display(rel)}: differs from the manifest")

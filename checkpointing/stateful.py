@@ -6,6 +6,7 @@ formats, atomicity and verification; it knows nothing else of the run.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,3 +33,37 @@ class DirectoryState(Protocol):
     def save_to(self, directory: Path) -> None: ...
 
     def load_from(self, directory: Path) -> None: ...
+
+
+@dataclass
+class Entry:
+    """One piece of state: global entries are written once (rank 0), per-rank ones by every
+    rank as `<name>/rank-<r>`; a DirectoryState writes its own files under `<name>/`."""
+
+    obj: Stateful | DirectoryState
+    per_rank: bool = False
+
+    @property
+    def kind(self) -> str:
+        """How the manifest records the entry: global, per_rank or directory."""
+        if isinstance(self.obj, DirectoryState) and not isinstance(self.obj, Stateful):
+            return "directory"
+        return "per_rank" if self.per_rank else "global"
+
+
+def rank_name(name: str, rank: int) -> str:
+    """The file name (without extension) of a per-rank entry's piece."""
+    return f"{name}/rank-{rank:05d}"
+
+
+def split_by_size(sized: list[tuple[int, str]], world_size: int, rank: int) -> list[str]:
+    """This rank's share of files: largest first, each to the rank with the fewest bytes so far.
+    Every rank computes the same split from the same list."""
+    load = [0] * world_size
+    mine = []
+    for size, rel in sorted(sized, reverse=True):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        load[r] += size
+        if r == rank:
+            mine.append(rel)
+    return mine
