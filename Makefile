@@ -44,6 +44,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/loop_overhead.py
 	$(BIN)/python bench/checkpoint_save.py
+	$(BIN)/python bench/async_save.py
 	$(BIN)/python bench/resume_jump.py
 	$(BIN)/python bench/deepspeed_save.py
 

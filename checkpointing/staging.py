@@ -9,6 +9,7 @@ At most one save is in flight: the next one waits for it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -47,6 +48,19 @@ class Staging:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
+WRITER_NICE = 19
+"""How much the writer thread (and the hashing thread it starts) yields the CPU to training."""
+
+
+def lower_priority() -> None:
+    """Lower this thread's CPU priority (Linux: nice is per thread, and threads it starts
+    inherit it), so that on a busy CPU the training threads win and the save takes longer."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError) as e:  # not Linux, or not allowed: run at normal priority
+        logger.debug("writer thread keeps its priority: %s", e)
+
+
 @dataclass
 class SaveOutcome:
     """A finished save: where it committed and its wall time, or the error that stopped it."""
@@ -72,6 +86,7 @@ class BackgroundSave:
         self._thread.start()
 
     def _run(self) -> None:
+        lower_priority()
         try:
             location = self._work()
             self.outcome = SaveOutcome(self.step, location, time.perf_counter() - self._t0)
