@@ -86,6 +86,30 @@ class Restorer:
                 return storage, found
         return None
 
+    def peek(self, resume_from: str) -> Manifest | None:
+        """The manifest `resolve` will most likely pick, read but not verified (every rank
+        gets the same answer): for planning a run before its state exists (e.g. a resume on
+        another number of ranks). Anything unreadable is left to `resolve` to report."""
+        if resume_from == "none":
+            return None
+        found: Any = None
+        if self.rank == 0:
+            try:
+                if resume_from != "latest":
+                    storage = open_storage(resume_from, self.storage_options, self.storage.retries)
+                    found = read_manifest(storage)
+                else:
+                    for name in self._names():
+                        try:
+                            found = read_manifest(self.storage.child(name))
+                            break
+                        except CheckpointError:
+                            continue
+            except Exception as e:
+                logger.debug("peek at %s: %s", resume_from, e)
+                found = None
+        return broadcast_object(found, self.group)
+
     def _verify_together(self, storage: Storage, explicit: bool) -> Manifest | None:
         manifest: Any = None
         if self.rank == 0:
@@ -137,12 +161,13 @@ class Restorer:
         missing = sorted(set(entries) - set(manifest.entries))
         if missing:
             raise CheckpointError(f"{where.display()}: holds no state for {', '.join(missing)}")
-        bound = any(e.kind != "global" for e in entries.values())
-        if bound and manifest.world_size != self.world_size:
-            raise CheckpointError(
-                f"{where.display()}: saved by {manifest.world_size} ranks, this run has "
-                f"{self.world_size}"
-            )
+        if manifest.world_size != self.world_size:
+            bound = sorted(n for n, e in entries.items() if e.kind != "global" and not e.elastic)
+            if bound:
+                raise CheckpointError(
+                    f"{where.display()}: saved by {manifest.world_size} ranks, this run has "
+                    f"{self.world_size}, and {', '.join(bound)} cannot be resharded"
+                )
         for name, entry in entries.items():
             if entry.kind == "directory":
                 if manifest.entries[name] != "directory":
@@ -151,7 +176,11 @@ class Restorer:
                     )
                 self._load_directory(where, manifest, name, entry.obj)
                 continue
-            file_name = rank_name(name, self.rank) if entry.per_rank else name
+            file_name = (
+                rank_name(name, source_rank(self.rank, manifest.world_size))
+                if entry.per_rank
+                else name
+            )
             try:
                 state = load_state(where, file_name, manifest.files)
             except StateFormatError as e:
@@ -173,6 +202,12 @@ class Restorer:
                         where.retries,
                     )
             obj.load_from(Path(tmp) / name)
+
+
+def source_rank(rank: int, saved_world_size: int) -> int:
+    """The saved rank whose per-rank piece `rank` loads: itself, or on a different number of
+    ranks `rank mod saved_world_size` (deterministic; see Entry.elastic)."""
+    return rank % saved_world_size
 
 
 def rank_owner(rel: str, entries: dict[str, str]) -> int | None:

@@ -42,6 +42,9 @@ class Entry:
 
     obj: Stateful | DirectoryState
     per_rank: bool = False
+    elastic: bool = False
+    """A per-rank entry that may resume on a different number of ranks: rank r then loads the
+    piece saved by rank `r mod saved_world_size`. Without it such a resume is refused."""
 
     @property
     def kind(self) -> str:

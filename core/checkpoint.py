@@ -7,6 +7,7 @@ the trajectory, and the self-check recorded at save and recomputed after a load.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -14,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from checkpointing.manager import CheckpointManager, CheckpointSaveError, Entry
-from checkpointing.manifest import CheckpointError, read_manifest
+from checkpointing.manifest import CheckpointError, Manifest, read_manifest
+from checkpointing.restore import source_rank
 from checkpointing.rng import RNGState, rng_fingerprint
 from checkpointing.staging import SaveOutcome
 from checkpointing.stateful import Stateful
@@ -35,6 +37,7 @@ NEUTRAL_FIELDS = {
     "data.num_workers",
     "train.logging_steps",
     "train.progress_bar",
+    "train.keep_global_batch",
     "engine.backend",
     "engine.find_unused_parameters",
 }
@@ -45,8 +48,13 @@ class ResumeMismatchError(CheckpointError):
     """The run after loading differs from the run that saved (a wrong resume was caught)."""
 
 
+# What a resume on another number of ranks may change, as long as the global batch stays.
+ELASTIC_FIELDS = {"world_size", "train.gradient_accumulation_steps"}
+
+
 def trajectory(config: Config, world_size: int, dataset_fp: str, total_steps: int) -> dict:
     """The values that decide the trajectory, flat as {"section.key": value}."""
+    tc = config.train
     flat = {
         f"{section}.{key}": value
         for section, fields in config.to_dict().items()
@@ -54,13 +62,97 @@ def trajectory(config: Config, world_size: int, dataset_fp: str, total_steps: in
         for key, value in fields.items()
         if f"{section}.{key}" not in NEUTRAL_FIELDS
     }
-    if config.train.auto_find_batch_size:
-        # The search may lower the micro-batch; what must not change is their product.
-        tc = config.train
+    if tc.auto_find_batch_size:
+        # The search may lower the micro-batch; what must not change is the global batch.
         del flat["train.per_device_batch_size"], flat["train.gradient_accumulation_steps"]
-        flat["train.samples_per_step"] = tc.per_device_batch_size * tc.gradient_accumulation_steps
-    flat.update({"world_size": world_size, "dataset": dataset_fp, "total_steps": total_steps})
+    flat.update(
+        {
+            "world_size": world_size,
+            "train.global_batch": world_size
+            * tc.per_device_batch_size
+            * tc.gradient_accumulation_steps,
+            "dataset": dataset_fp,
+            "total_steps": total_steps,
+        }
+    )
     return flat
+
+
+def saved_global_batch(saved: dict[str, Any]) -> int | None:
+    """The global batch (samples per optimizer step) a saved trajectory ran at; derived for
+    checkpoints written before it was recorded."""
+    if "train.global_batch" in saved:
+        return saved["train.global_batch"]
+    per_rank = saved.get("train.samples_per_step")
+    if per_rank is None and "train.per_device_batch_size" in saved:
+        per_rank = saved["train.per_device_batch_size"] * saved["train.gradient_accumulation_steps"]
+    return None if per_rank is None else per_rank * saved["world_size"]
+
+
+def fit_world_size(config: Config, saved: Manifest | None, world_size: int) -> Config:
+    """The config that resumes `saved` on `world_size` ranks.
+
+    On the saved number of ranks (or with nothing to resume) that is `config`. On another
+    number, with train.keep_global_batch, gradient accumulation is set so that world size x
+    per-device batch x accumulation equals the saved global batch, and the change is logged;
+    a resume that cannot keep it, or state that cannot be resharded, is refused with the
+    numbers (CheckpointError)."""
+    if saved is None or saved.world_size == world_size:
+        return config
+    tc, old = config.train, saved.world_size
+    where = f"resuming a checkpoint of {old} rank(s) on {world_size}"
+    if saved.engine != "ddp" or config.engine.name != "ddp":
+        raise CheckpointError(
+            f"{where}: DeepSpeed ZeRO shards are resumed only on the number of ranks that saved "
+            f"them ({old}); relaunch on {old}, or export the weights "
+            "(python -m checkpointing export) and start a new run from them"
+        )
+    if str(saved.trajectory.get("dataset", "")).startswith("stream:"):
+        raise CheckpointError(
+            f"{where}: an iterable dataset is dealt to ranks by their number, so its position "
+            f"means nothing on {world_size}; relaunch on {old}"
+        )
+    target = saved_global_batch(saved.trajectory)
+    b, a = tc.per_device_batch_size, tc.gradient_accumulation_steps
+    if target is None or world_size * b * a == target:
+        if target is not None:
+            logger.warning(
+                "%s: the global batch stays %d (%d x %d x %d accumulation)",
+                where,
+                target,
+                world_size,
+                b,
+                a,
+            )
+        return config
+    if not tc.keep_global_batch:
+        raise CheckpointError(
+            f"{where}: the global batch would change from {target} to {world_size * b * a} "
+            f"({world_size} ranks x {b} per device x {a} accumulation) with "
+            "train.keep_global_batch false; set it true, or choose the accumulation yourself"
+        )
+    if target % (world_size * b):
+        raise CheckpointError(
+            f"{where}: cannot keep the global batch of {target} samples: it is not a multiple "
+            f"of {world_size} ranks x {b} per device; choose a per_device_batch_size that "
+            f"divides {target // world_size if target % world_size == 0 else target}"
+            + ("" if target % world_size == 0 else f", or a number of ranks dividing {target}")
+        )
+    accumulation = target // (world_size * b)
+    logger.warning(
+        "%s: gradient_accumulation_steps %d -> %d keeps the global batch at %d "
+        "(%d x %d x %d); losses continue within float rounding of the run on %d, not bit for bit",
+        where,
+        a,
+        accumulation,
+        target,
+        world_size,
+        b,
+        accumulation,
+        old,
+    )
+    train = dataclasses.replace(tc, gradient_accumulation_steps=accumulation)
+    return dataclasses.replace(config, train=train)
 
 
 def fingerprint(values: dict[str, Any]) -> str:
@@ -108,14 +200,15 @@ class RunCheckpointer:
             "sampler": Entry(self.sampler),
             "train_state": Entry(self.state),
             **{name: Entry(obj) for name, obj in self.extra_state().items()},
-            "rng": Entry(self.rng, per_rank=True),
+            # On another number of ranks, rank r continues the stream of saved rank r mod W:
+            # every rank is seeded alike (set_seed), so this keeps that convention.
+            "rng": Entry(self.rng, per_rank=True, elastic=True),
         }
 
     def _checks(self) -> dict[str, Any]:
-        global_batch = self.sampler.batch_size * self.sampler.num_replicas
         return {
             "lr": self.engine.schedule.last_lr(),
-            "next_sample_ids": self.sampler.upcoming(global_batch),
+            "next_sample_ids": self.sampler.upcoming(self.sampler.global_batch),
         }
 
     def _metric(self) -> dict[str, Any] | None:
@@ -203,9 +296,12 @@ class RunCheckpointer:
         self._check_trajectory(path, manifest.trajectory)
         self.manager.load(path, manifest, self.entries())
         now = self._checks()
-        for key, what in (("lr", "learning rate"), ("next_sample_ids", "next batch sample ids")):
-            self._compare(path, what, manifest.checks[key], now[key])
-        self._pending_rng_check = manifest.checks["rng"][self.manager.rank]
+        self._compare(path, "learning rate", manifest.checks["lr"], now["lr"])
+        saved_ids = manifest.checks["next_sample_ids"]
+        n = min(len(saved_ids), len(now["next_sample_ids"]))  # older checkpoints: one micro-batch
+        self._compare(path, "next batch sample ids", saved_ids[:n], now["next_sample_ids"][:n])
+        source = source_rank(self.manager.rank, manifest.world_size)
+        self._pending_rng_check = manifest.checks["rng"][source]
         self.last_saved_step = manifest.step
         logger.info(
             "resumed from %s at step %d (epoch %d, position %d)",
@@ -241,8 +337,13 @@ class RunCheckpointer:
             )
 
     def _check_trajectory(self, path: Storage, saved: dict[str, Any]) -> None:
+        saved = {k: v for k, v in saved.items() if k != "train.samples_per_step"}
+        saved["train.global_batch"] = saved_global_batch(saved)
         keys = sorted(set(saved) | set(self.trajectory))
         differ = [k for k in keys if saved.get(k) != self.trajectory.get(k)]
+        if "world_size" in differ:
+            # Another number of ranks with the same global batch: fit_world_size planned it.
+            differ = [k for k in differ if k not in ELASTIC_FIELDS]
         if not differ:
             return
         detail = ", ".join(f"{k} ({saved.get(k)!r} -> {self.trajectory.get(k)!r})" for k in differ)

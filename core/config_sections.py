@@ -162,6 +162,9 @@ class TrainConfig:
     """Samples per micro-batch on each rank."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
+    keep_global_batch: bool = True
+    """Resuming on a different number of ranks: set accumulation so that ranks x per-device
+    batch x accumulation stays the checkpoint's global batch (refused when impossible)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
     logging_steps: int = 10

@@ -8,7 +8,8 @@ seeds and the training RNG stream. We pass a generator of our own and seed worke
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -50,8 +51,11 @@ def make_dataloader(
     seed: int,
     rank: int,
     pin_memory: bool = False,
+    drawn: deque[int] | None = None,
 ) -> DataLoader[Any]:
-    """A DataLoader for the sampler's current epoch, starting at its current position."""
+    """A DataLoader for the sampler's current epoch, starting at its current position.
+    `drawn`, if given, receives every sample id as the DataLoader takes it from the sampler
+    (in order: batches come out in the order their ids went in)."""
     generator = torch.Generator()
     generator.manual_seed(derive_seed(seed, sampler.epoch, rank))
     if isinstance(sampler, StreamPosition):
@@ -67,7 +71,7 @@ def make_dataloader(
     return DataLoader(
         dataset,
         batch_size=sampler.batch_size,
-        sampler=sampler,
+        sampler=sampler if drawn is None else _Recorded(sampler, drawn),
         collate_fn=collate_fn,
         num_workers=num_workers,
         drop_last=drop_last,
@@ -76,3 +80,18 @@ def make_dataloader(
         worker_init_fn=WorkerSeeder(seed, sampler.epoch, rank) if num_workers > 0 else None,
         persistent_workers=False,
     )
+
+
+class _Recorded:
+    """The sampler, noting each id it hands out."""
+
+    def __init__(self, sampler: ResumableDistributedSampler, drawn: deque[int]) -> None:
+        self.sampler, self.drawn = sampler, drawn
+
+    def __iter__(self) -> Iterator[int]:
+        for i in self.sampler:
+            self.drawn.append(i)
+            yield i
+
+    def __len__(self) -> int:
+        return len(self.sampler)

@@ -5,9 +5,11 @@ Host syncs happen only on steps that log: other steps queue work and never call 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +103,10 @@ class TrainLoop:
         """True when training stopped on a stop request (a signal) and checkpointed."""
         self.callbacks = CallbackHandler(callbacks or [])
         self.steps_per_epoch, self.total_steps = plan_steps(config, sampler)
+        self._drawn: deque[int] | None = None
+        if config.run.log_level == "debug" and isinstance(sampler, ResumableDistributedSampler):
+            # Sample accounting: every step logs the global sample ids all ranks drew.
+            self._drawn = deque()
         if checkpointer is not None:
             checkpointer.extra_state = self.callbacks.stateful  # callbacks with state resume too
         self._fire("on_init_end")
@@ -171,8 +177,11 @@ class TrainLoop:
             self.config.run.seed,
             self.dist.rank,
             pin_memory=self.engine.device.type == "cuda",
+            drawn=self._drawn,
         )
         order = self.sampler.epoch_order()
+        if self._drawn is not None:
+            self._drawn.clear()  # ids a previous epoch's loader prefetched
         batches = iter(loader)
         for step_sizes in self._steps_left_in_epoch():
             if state.global_step >= self.total_steps:
@@ -338,6 +347,17 @@ class TrainLoop:
             self.sampler.set_epoch(state.epoch)
         if will_log:
             self._log(losses, grad_norm, lr)
+        if self._drawn is not None:
+            self._log_sample_ids(step, sum(sizes))
+
+    def _log_sample_ids(self, step: int, count: int) -> None:
+        """Debug: the sample ids every rank drew for this step (a gather), logged by rank 0."""
+        mine = [self._drawn.popleft() for _ in range(count)]
+        ranks: list[list[int]] = [mine]
+        if self.dist.world_size > 1:
+            ranks = [[] for _ in range(self.dist.world_size)]
+            dist.all_gather_object(ranks, mine)
+        logger.debug("step %d sample ids %s", step, json.dumps(ranks))
 
     # -- logging -----------------------------------------------------------------------------
     def _log(self, losses: list[torch.Tensor], grad_norm: torch.Tensor | None, lr: float) -> None:

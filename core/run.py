@@ -19,7 +19,7 @@ from checkpointing.comm import control_group
 from checkpointing.manager import CheckpointManager
 from checkpointing.storage import Storage, display_url, is_private_to_process, open_storage
 from core.callbacks import TrainerCallback
-from core.checkpoint import RunCheckpointer, trajectory
+from core.checkpoint import RunCheckpointer, fit_world_size, trajectory
 from core.columns import default_label_names, remove_unused_columns
 from core.config import Config, ConfigError, metric_greater_is_better
 from core.data import build_dataset, collate, dataset_fingerprint, sample_lengths
@@ -70,7 +70,11 @@ def _make_sampler(
             if not ok:
                 raise ConfigError(f"{key}: {why}")
         return StreamPosition(
-            dist_info.world_size, dist_info.rank, tc.per_device_batch_size, config.run.seed
+            dist_info.world_size,
+            dist_info.rank,
+            tc.per_device_batch_size,
+            config.run.seed,
+            tc.gradient_accumulation_steps,
         )
     try:
         return ResumableDistributedSampler(
@@ -81,6 +85,7 @@ def _make_sampler(
             seed=config.run.seed,
             drop_last=config.data.drop_last,
             lengths=lengths if config.data.group_by_length else None,
+            accumulation=tc.gradient_accumulation_steps,
         )
     except ValueError as e:
         raise ConfigError(f"train.per_device_batch_size: {e}") from e
@@ -203,6 +208,24 @@ def build_trainer(
     else:
         set_seed(config.run.seed)
 
+    cc = config.checkpoint
+    manager = CheckpointManager(
+        open_checkpoint_storage(config, dist_info.world_size),
+        dist_info.rank,
+        dist_info.world_size,
+        save_total_limit=cc.save_total_limit,
+        engine=config.engine.name,
+        group=control_group(),
+        greater_is_better=metric_greater_is_better(
+            cc.best_metric or "eval_loss", cc.greater_is_better
+        ),
+        async_save=cc.async_save,
+        storage_options=cc.storage_options,
+    )
+    # A resume on another number of ranks may change the accumulation: decide before anything
+    # is sized by it.
+    config = fit_world_size(config, manager.peek(cc.resume_from), dist_info.world_size)
+
     dataset = parts.train_dataset if parts.train_dataset is not None else build_dataset(config.data)
     dataset, eval_dataset = _eval_split(config, dataset, parts.eval_dataset)
     lengths, data_fp = _dataset_facts(dataset)
@@ -272,20 +295,6 @@ def build_trainer(
             device,
         )
     state = TrainState()
-    cc = config.checkpoint
-    manager = CheckpointManager(
-        open_checkpoint_storage(config, dist_info.world_size),
-        dist_info.rank,
-        dist_info.world_size,
-        save_total_limit=cc.save_total_limit,
-        engine=config.engine.name,
-        group=control_group(),
-        greater_is_better=metric_greater_is_better(
-            cc.best_metric or "eval_loss", cc.greater_is_better
-        ),
-        async_save=cc.async_save,
-        storage_options=cc.storage_options,
-    )
     checkpointer = RunCheckpointer(
         config,
         manager,

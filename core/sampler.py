@@ -7,7 +7,11 @@ stored generator state (the same O(N) work at any position) and iteration starts
 
 Order: rank r takes `order[position + r], order[position + r + world], ...`. Interleaving keeps
 the global order independent of the rank count: one global micro-batch is `world * batch_size`
-consecutive entries of `order`.
+consecutive entries of `order`, and optimizer step s consumes entries
+`[s * G, (s + 1) * G)` with G = world * batch_size * accumulation (the global batch). The epoch
+(its length with drop_last, its length-grouped megabatches) is cut in units of G, never of the
+world size, so a resume on another number of ranks with the same global batch continues the
+very same stream of samples (see "Changing the number of workers" in the README).
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-# Megabatches of this many global micro-batches are sorted by length when grouping (as the
-# Hugging Face LengthGroupedSampler does with its mega_batch_mult).
+# Megabatches of this many global batches (optimizer steps) are sorted by length when grouping
+# (as the Hugging Face LengthGroupedSampler does with its mega_batch_mult).
 MEGABATCH_MULT = 50
 
 
@@ -43,6 +47,7 @@ class ResumableDistributedSampler(Sampler[int]):
         shuffle: bool = True,
         drop_last: bool = True,
         lengths: Sequence[int] | None = None,
+        accumulation: int = 1,
     ) -> None:
         if num_samples <= 0:
             raise ValueError("the dataset is empty")
@@ -58,14 +63,17 @@ class ResumableDistributedSampler(Sampler[int]):
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.lengths = np.asarray(lengths, dtype=np.int64) if lengths is not None else None
-        global_batch = batch_size * num_replicas
+        self.global_batch = batch_size * num_replicas * accumulation
+        """Samples of one optimizer step, all ranks together."""
         if drop_last:
-            self.total_size = (num_samples // global_batch) * global_batch
+            # Whole optimizer steps only: the epoch is the same on any number of ranks that
+            # keeps the global batch.
+            self.total_size = (num_samples // self.global_batch) * self.global_batch
             if self.total_size == 0:
                 raise ValueError(
                     f"the dataset has {num_samples} samples, fewer than one global batch "
-                    f"({batch_size} x {num_replicas} ranks); lower the batch size or "
-                    "set data.drop_last: false"
+                    f"({batch_size} x {num_replicas} ranks x {accumulation} accumulation "
+                    "steps); lower the batch size or set data.drop_last: false"
                 )
         else:
             # Pad by wrapping around so every rank sees the same number of samples.
@@ -129,7 +137,7 @@ class ResumableDistributedSampler(Sampler[int]):
         return order
 
     def _group_by_length(self, order: np.ndarray) -> np.ndarray:
-        mega = self.batch_size * self.num_replicas * MEGABATCH_MULT
+        mega = self.global_batch * MEGABATCH_MULT
         out = np.empty_like(order)
         for start in range(0, len(order), mega):
             chunk = order[start : start + mega]
@@ -158,6 +166,7 @@ class ResumableDistributedSampler(Sampler[int]):
             "position": self.position,
             "seed": self.seed,
             "num_samples": self.num_samples,
+            "total_size": self.total_size,
             "generator_state": base64.b64encode(self._generator_state.numpy().tobytes()).decode(),
         }
 
@@ -166,6 +175,17 @@ class ResumableDistributedSampler(Sampler[int]):
             raise ValueError(
                 f"sampler state is for {state['num_samples']} samples, "
                 f"the dataset has {self.num_samples}"
+            )
+        saved_size = state.get("total_size", self.total_size)
+        if saved_size != self.total_size:
+            how = (
+                f"cut to whole global batches of {self.global_batch}"
+                if self.drop_last
+                else f"padded to a multiple of {self.num_replicas} ranks (data.drop_last false)"
+            )
+            raise ValueError(
+                f"sampler state is for an epoch of {saved_size} samples, this run's epoch has "
+                f"{self.total_size} ({self.num_samples} samples {how})"
             )
         self.seed = state["seed"]
         self.epoch = state["epoch"]

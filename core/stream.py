@@ -40,13 +40,17 @@ class _Shard(IterableDataset):
 class StreamPosition:
     """The sampler interface the loop uses, for an iterable dataset (Stateful)."""
 
-    def __init__(self, num_replicas: int, rank: int, batch_size: int, seed: int) -> None:
+    def __init__(
+        self, num_replicas: int, rank: int, batch_size: int, seed: int, accumulation: int = 1
+    ) -> None:
         self.num_replicas, self.rank, self.batch_size, self.seed = (
             num_replicas,
             rank,
             batch_size,
             seed,
         )
+        self.global_batch = batch_size * num_replicas * accumulation
+        """Items of one optimizer step, all ranks together."""
         self.epoch = 0
         self.position = 0
         self.total_size = ENDLESS

@@ -144,7 +144,8 @@ class Trainer:
         if self.dist_info.is_main:  # only once everything was built: bad input writes nothing
             out = Path(config.run.output_dir)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(dump_config(config))
+            # What runs: the loop's config (a resume on other ranks may adjust accumulation).
+            (out / "config.yaml").write_text(dump_config(self.loop.config))
         try:
             state = self.loop.train()
         except BaseException as e:  # recorded in history.jsonl, then re-raised

@@ -68,6 +68,7 @@ def test_public_cli_surface_is_pinned():
             "num_epochs",
             "per_device_batch_size",
             "gradient_accumulation_steps",
+            "keep_global_batch",
             "max_grad_norm",
             "logging_steps",
             "bf16",

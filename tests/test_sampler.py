@@ -121,3 +121,33 @@ def test_length_grouping_sorts_within_megabatches_and_keeps_coverage():
 def test_too_small_dataset_is_a_clear_error():
     with pytest.raises(ValueError, match="fewer than one global batch"):
         make(n=5, world=2, batch=4)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_epoch_is_the_same_on_any_ranks_with_the_same_global_batch(grouped):
+    """Global batch 16 as 4 ranks x 4, 2 ranks x 4 x 2 accumulation, 1 rank x 8 x 2: the
+    same epoch (length cut in whole steps, length-grouped megabatches) and the same step
+    contents, so a resume on another number of ranks continues the same stream."""
+    n = 1003
+    lengths = np.random.default_rng(1).integers(2, 64, size=n).tolist() if grouped else None
+    layouts = [(4, 4, 1), (2, 4, 2), (1, 8, 2)]
+    orders = []
+    for world, batch, accumulation in layouts:
+        samplers = [
+            make(n, world, r, batch, seed=3, accumulation=accumulation, lengths=lengths)
+            for r in range(world)
+        ]
+        assert samplers[0].total_size == (n // 16) * 16
+        orders.append(samplers[0].epoch_order().tolist())
+        # Step 7 (all ranks' micro-batches of it) is global entries [7 * 16, 8 * 16).
+        for s in samplers:
+            s.advance(7 * 16)
+        drawn = [i for s in samplers for i in list(s)[: batch * accumulation]]
+        assert sorted(drawn) == sorted(orders[-1][7 * 16 : 8 * 16])
+    assert orders[0] == orders[1] == orders[2]
+
+
+def test_state_refuses_an_epoch_of_another_length():
+    s = make(n=103, world=2, batch=4)  # 96 samples an epoch
+    with pytest.raises(ValueError, match="epoch of 96 samples, this run's epoch has 100"):
+        make(n=103, world=1, batch=4).load_state_dict(s.state_dict())
