@@ -26,6 +26,32 @@ def deepspeed_tag_dir(path: Path, manifest: Manifest) -> Path:
     return tags[0]
 
 
+def universal_copy(tag_dir: Path, out_dir: Path) -> None:
+    """Convert the verified shards in `tag_dir` into a DeepSpeed universal checkpoint at
+    `out_dir` (DeepSpeed's ds_to_universal, in this process, every torch.load in it forced to
+    weights_only=True): what DeepSpeed loads on a different number of ranks. The converter
+    also writes `latest_universal` beside `out_dir`."""
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    from checkpointing.deepspeed_safe_load import weights_only_torch_loads
+
+    args = argparse.Namespace(
+        input_folder=str(tag_dir),
+        output_folder=str(out_dir),
+        num_extract_workers=1,  # no process pool inside a training worker
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # a plain nn.Module carries no universal_checkpoint_info
+    )
+    with weights_only_torch_loads(tag_dir), contextlib.redirect_stdout(io.StringIO()):
+        ds_to_universal.main(args)  # its progress goes to stdout: kept out of the run's log
+
+
 def deepspeed_weights(path: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
     """Full fp32 weights of a verified DeepSpeed checkpoint: ZeRO 1-3 shards consolidated by
     DeepSpeed's own zero_to_fp32 (exact: it concatenates the fp32 partitions); without ZeRO,

@@ -49,11 +49,21 @@ def _reason(error: pickle.UnpicklingError) -> str:
     return " ".join(kept) or lines[0]
 
 
+def _allowing_deepspeed_globals() -> contextlib.AbstractContextManager[Any]:
+    """torch's safe_globals for DEEPSPEED_GLOBALS, unless an enclosing one is active: on exit
+    safe_globals removes its entries from the process-wide set, so a nested one would take the
+    enclosing one's allow-list away (seen: a universal load refused LossScaler)."""
+    active = set(torch.serialization.get_safe_globals())
+    if all(g in active for g in DEEPSPEED_GLOBALS):
+        return contextlib.nullcontext()
+    return torch.serialization.safe_globals(list(DEEPSPEED_GLOBALS))
+
+
 def load_deepspeed_file(path: Path, map_location: Any = None, mmap: bool = False) -> Any:
     """torch.load(weights_only=True) of one DeepSpeed file, allowing DEEPSPEED_GLOBALS; a file
     that pickles anything else is a CheckpointCorruptError naming it."""
     try:
-        with torch.serialization.safe_globals(list(DEEPSPEED_GLOBALS)):
+        with _allowing_deepspeed_globals():
             return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointCorruptError(
@@ -95,7 +105,7 @@ def weights_only_torch_loads(where: Path) -> Iterator[None]:
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)  # both set is an error in torch
     try:
-        with torch.serialization.safe_globals(list(DEEPSPEED_GLOBALS)):
+        with _allowing_deepspeed_globals():
             yield
     except pickle.UnpicklingError as e:
         raise CheckpointCorruptError(

@@ -89,6 +89,31 @@ def saved_global_batch(saved: dict[str, Any]) -> int | None:
     return None if per_rank is None else per_rank * saved["world_size"]
 
 
+def _check_deepspeed_reshard(config: Config, saved: Manifest, where: str) -> None:
+    """ZeRO 1-2 with an Adam-family optimizer resume on another number of ranks (through a
+    DeepSpeed universal checkpoint); anything else is refused with the reason."""
+    ds = saved.trajectory.get("engine.deepspeed_config") or {}
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    named = str((ds.get("optimizer") or {}).get("type", "")).lower()
+    adam = named in ("adam", "adamw") if named else config.optim.name.startswith("adamw")
+    why = None
+    if stage == 0:
+        why = "ZeRO stage 0 keeps no partitioned optimizer state to convert"
+    elif stage == 3:
+        why = (
+            "DeepSpeed 0.19's universal load gives every ZeRO-3 parameter group the "
+            "hyperparameters of the first (weight decay would reach biases and norms)"
+        )
+    elif not adam:
+        why = "DeepSpeed's universal checkpoints hold Adam moments only (exp_avg, exp_avg_sq)"
+    if why is not None:
+        raise CheckpointError(
+            f"{where}: DeepSpeed ZeRO-{stage} shards cannot be resharded here: {why}; relaunch "
+            f"on {saved.world_size}, or export the weights (python -m checkpointing export) "
+            "and start a new run from them"
+        )
+
+
 def fit_world_size(config: Config, saved: Manifest | None, world_size: int) -> Config:
     """The config that resumes `saved` on `world_size` ranks.
 
@@ -101,12 +126,12 @@ def fit_world_size(config: Config, saved: Manifest | None, world_size: int) -> C
         return config
     tc, old = config.train, saved.world_size
     where = f"resuming a checkpoint of {old} rank(s) on {world_size}"
-    if saved.engine != "ddp" or config.engine.name != "ddp":
+    if saved.engine != config.engine.name:
         raise CheckpointError(
-            f"{where}: DeepSpeed ZeRO shards are resumed only on the number of ranks that saved "
-            f"them ({old}); relaunch on {old}, or export the weights "
-            "(python -m checkpointing export) and start a new run from them"
+            f"{where}: saved by engine {saved.engine}, this run uses {config.engine.name}"
         )
+    if saved.engine == "deepspeed":
+        _check_deepspeed_reshard(config, saved, where)
     if str(saved.trajectory.get("dataset", "")).startswith("stream:"):
         raise CheckpointError(
             f"{where}: an iterable dataset is dealt to ranks by their number, so its position "
@@ -196,7 +221,10 @@ class RunCheckpointer:
             }
         }
         return {
-            **{name: Entry(obj) for name, obj in self.engine.stateful().items()},
+            **{
+                name: Entry(obj, elastic=getattr(obj, "elastic", False))
+                for name, obj in self.engine.stateful().items()
+            },
             "sampler": Entry(self.sampler),
             "train_state": Entry(self.state),
             **{name: Entry(obj) for name, obj in self.extra_state().items()},

@@ -15,9 +15,11 @@ does (the loss moves by ~1e-2 per step here).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +40,7 @@ from tests.launch import (
     kill_tree,
     logged_steps,
     read_metrics,
+    run,
     run_launcher,
 )
 
@@ -189,17 +192,79 @@ def test_fit_world_size_adjusts_only_what_it_must():
     assert fit_world_size(config, old, 1).train.gradient_accumulation_steps == 8
 
 
+def _ds(stage: int, **optimizer) -> dict:
+    ds = {"zero_optimization": {"stage": stage}}
+    if optimizer:
+        ds["optimizer"] = optimizer
+    return {"train.global_batch": 16, "engine.deepspeed_config": ds}
+
+
 @pytest.mark.parametrize(
-    ("saved", "message"),
+    ("saved", "engine", "message"),
     [
-        (_manifest(2, engine="deepspeed", **{"train.global_batch": 16}), "DeepSpeed ZeRO shards"),
-        (_manifest(2, **{"train.global_batch": 16, "dataset": "stream:X"}), "iterable dataset"),
-        (_manifest(2, **{"train.global_batch": 32}), "not a multiple of 3 ranks x 8"),
+        (_manifest(2, engine="deepspeed", **_ds(2)), "ddp", "saved by engine deepspeed"),
+        (_manifest(2, engine="deepspeed", **_ds(3)), "deepspeed", "ZeRO-3 parameter group"),
+        (_manifest(2, engine="deepspeed", **_ds(0)), "deepspeed", "ZeRO-0 shards cannot"),
+        (
+            _manifest(2, engine="deepspeed", **_ds(2, type="SGD")),
+            "deepspeed",
+            "hold Adam moments only",
+        ),
+        (_manifest(2, **{"train.global_batch": 16, "dataset": "stream:X"}), "ddp", "iterable"),
+        (_manifest(2, **{"train.global_batch": 32}), "ddp", "not a multiple of 3 ranks x 8"),
     ],
 )
-def test_fit_world_size_refuses(saved, message):
+def test_fit_world_size_refuses(saved, engine, message):
+    config = _config(per_device_batch_size=8)
+    config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, name=engine))
     with pytest.raises(CheckpointError, match=message):
-        fit_world_size(_config(per_device_batch_size=8), saved, 3)
+        fit_world_size(config, saved, 3)
+
+
+def test_fit_world_size_reshards_zero_1_and_2():
+    config = _config(per_device_batch_size=8)
+    config = dataclasses.replace(
+        config, engine=dataclasses.replace(config.engine, name="deepspeed")
+    )
+    for stage in (1, 2):
+        fitted = fit_world_size(config, _manifest(2, engine="deepspeed", **_ds(stage)), 1)
+        assert fitted.train.gradient_accumulation_steps == 2
+
+
+def _exported(checkpoint: Path) -> dict[str, torch.Tensor]:
+    out = checkpoint.parent / f"{checkpoint.parent.name}.safetensors"
+    cmd = [sys.executable, "-m", "checkpointing", "export", str(checkpoint), str(out)]
+    result = run(cmd, cwd=checkpoint.parent, timeout=120)
+    assert result.returncode == 0, result.output
+    return load_file(out)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed")
+@pytest.mark.parametrize(("stage", "saved_on", "resumed_on"), [(2, 2, 1), (1, 1, 2)])
+def test_deepspeed_zero_shards_reshard(tmp_path, stage, saved_on, resumed_on):
+    """ZeRO 1-2 shards saved on one number of ranks load on another through a DeepSpeed
+    universal checkpoint: the same sample stream, losses and consolidated weights within the
+    tolerance above."""
+    ds = ("--engine.name", "deepspeed", "--engine.deepspeed_config")
+    args = (*ARGS, *ds, str(REPO / "configs" / "deepspeed" / f"zero{stage}.json"))
+    args += ("--train.gradient_accumulation_steps", str(2 // saved_on))  # global batch 16
+    ref, res = tmp_path / "ref", tmp_path / "res"
+    first = run_launcher(ref, saved_on, *args)
+    assert first.returncode == 0, first.output
+    seed_resume_dir(ref, res, SAVED)
+    resumed = run_launcher(res, resumed_on, *args)
+    assert resumed.returncode == 0, resumed.output
+    assert f"loaded ZeRO shards of {saved_on} rank(s) on {resumed_on}" in resumed.output
+    ref_ids = sample_ids(first.output)
+    assert_accounted(ref_ids, sample_ids(resumed.output), ref_ids)
+    losses = {m["step"]: m["loss"] for m in read_metrics(ref)}
+    for m in read_metrics(res):
+        assert m["loss"] == pytest.approx(losses[m["step"]], rel=LOSS_RTOL), m["step"]
+    a = _exported(ref / f"checkpoint-{STEPS}")
+    b = _exported(res / f"checkpoint-{STEPS}")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=WEIGHT_ATOL), k
 
 
 def _node(run_dir: Path, port: int, log: Path) -> subprocess.Popen:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
+import tempfile
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -33,6 +35,8 @@ from core.engines.base import Engine
 from core.engines.ddp import move_to_device
 from core.models import call_model
 from core.schedules import Schedule
+
+logger = logging.getLogger(__name__)
 
 TAG = "shards"
 """The tag (sub-directory) DeepSpeed saves under, inside the checkpoint's `deepspeed/`."""
@@ -126,11 +130,19 @@ def _load_weights_only(engine: Any) -> None:
 
 
 class DeepSpeedShards:
-    """The checkpoint entry of DeepSpeed's own files (a directory entry: a collective)."""
+    """The checkpoint entry of DeepSpeed's own files (a directory entry: a collective).
+
+    ZeRO 1-2 shards saved on another number of ranks are loaded through a DeepSpeed universal
+    checkpoint converted from them (`elastic`); see core.checkpoint.fit_world_size for what is
+    refused."""
 
     def __init__(self, engine: Any, load_lr_scheduler: bool) -> None:
         self._engine = engine
         self._load_lr_scheduler = load_lr_scheduler
+
+    @property
+    def elastic(self) -> bool:
+        return self._engine.zero_optimization_stage() in (1, 2)
 
     def save_to(self, directory: Path) -> None:
         self._engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
@@ -139,6 +151,10 @@ class DeepSpeedShards:
         from checkpointing.deepspeed_safe_load import check_deepspeed_files
 
         check_deepspeed_files(directory / TAG)  # every rank refuses a bad file alike, up front
+        saved_ranks = len(list((directory / TAG).glob("*zero_pp_rank_*_optim_states.pt")))
+        if self.elastic and saved_ranks != dist.get_world_size():
+            self._load_resharded(directory, saved_ranks)
+            return
         path, _ = self._engine.load_checkpoint(
             str(directory),
             tag=TAG,
@@ -148,6 +164,38 @@ class DeepSpeedShards:
         )
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {directory}/{TAG}")
+
+    def _load_resharded(self, directory: Path, saved_ranks: int) -> None:
+        """Shards of `saved_ranks` ranks on this world size: each rank converts them into a
+        universal checkpoint of its own (a temporary directory) and loads that. DeepSpeed's
+        universal load calls torch.load itself (weights_only=False): forced to weights_only."""
+        from checkpointing.deepspeed_files import universal_copy
+        from checkpointing.deepspeed_safe_load import weights_only_torch_loads
+
+        with tempfile.TemporaryDirectory(prefix="deepspeed-universal-") as tmp:
+            universal_copy(directory / TAG, Path(tmp) / TAG)
+            # DeepSpeed asks engine.load_universal_checkpoint() (its config's flag) while
+            # loading; set only for this load, so the engine is otherwise the one configured.
+            config = self._engine._config
+            config.load_universal_checkpoint = True
+            try:
+                with weights_only_torch_loads(directory / TAG):
+                    path, _ = self._engine.load_checkpoint(
+                        tmp,
+                        tag=TAG,
+                        load_module_strict=True,
+                        load_optimizer_states=True,
+                        load_lr_scheduler_states=self._load_lr_scheduler,
+                    )
+            finally:
+                config.load_universal_checkpoint = False
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no universal checkpoint in {tmp}/{TAG}")
+        logger.info(
+            "loaded ZeRO shards of %d rank(s) on %d through a universal checkpoint",
+            saved_ranks,
+            dist.get_world_size(),
+        )
 
 
 class _DeepSpeedSchedule(Schedule):
