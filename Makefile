@@ -42,11 +42,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
-	$(BIN)/python bench/loop_overhead.py
-	$(BIN)/python bench/checkpoint_save.py
-	$(BIN)/python bench/async_save.py
-	$(BIN)/python bench/resume_jump.py
-	$(BIN)/python bench/deepspeed_save.py
+	$(BIN)/python -m bench
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -11,13 +11,12 @@ A TinyGPT of 8 x 768 (56.7M parameters) with AdamW state (683 MB checkpoint), in
 - s3_upload: our blocking save to a loopback S3 server (moto, its own process) in MB/s over
   a plain s3fs `put_file` of a local file of the same size; interleaved, medians.
 
-    python bench/async_save.py [--reps 3] [--window 20] [--every 5] [--skip-s3]
+    python bench/async_save.py [--reps 3] [--window 40] [--every 20] [--skip-s3]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -34,14 +33,11 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.checkpoint_save import train  # noqa: E402
+from bench.checkpoint_save import add_model_args, train  # noqa: E402
+from bench.common import figure  # noqa: E402
 from checkpointing.manager import CheckpointManager, Entry  # noqa: E402
 from checkpointing.storage import open_storage  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
-
-
-def emit(name: str, value: float, unit: str, config: dict, **extra: object) -> None:
-    print(json.dumps({"name": name, "value": value, "unit": unit, "config": config, **extra}))
 
 
 class PeakRSS:
@@ -123,11 +119,11 @@ def s3_figure(manager_size: int, entries: dict, reps: int, tmp: Path) -> None:
             plain.append(manager_size / (time.perf_counter() - t0) / 1e6)
             storage.fs.rm("bench/plain.bin")
         ratio = statistics.median(ours) / statistics.median(plain)
-        emit(
+        figure(
             "s3_upload",
             statistics.median(ours),
             "MB/s",
-            {"bytes": manager_size, "reps": reps, "server": "moto (loopback)"},
+            config={"bytes": manager_size, "reps": reps, "server": "moto (loopback)"},
             ratio_to="s3fs put_file of the same bytes",
             ratio=ratio,
             ours=ours,
@@ -145,8 +141,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--skip-s3", action="store_true")
+    add_model_args(parser)
     args = parser.parse_args()
-    model, opt = train(steps=3)
+    model, opt = train(3, args.n_layer, args.n_embd)
     entries = {"model": Entry(model), "optimizer": Entry(opt)}
     config = {"params": sum(p.numel() for p in model.parameters()), "reps": args.reps}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp_name:
@@ -163,11 +160,11 @@ def main() -> None:
             stall.append(save(manager, 2 * rep, entries, background=True))
             manager.wait()
             sync.append(save(manager, 2 * rep + 1, entries, background=False))
-        emit(
+        figure(
             "async_stall",
             statistics.median(stall),
             "s",
-            {**config, "bytes": size, "storage": "local disk"},
+            config={**config, "bytes": size, "storage": "local disk"},
             ratio_to="blocking save of the same checkpoint",
             ratio=statistics.median(stall) / statistics.median(sync),
             stall=stall,
@@ -184,22 +181,22 @@ def main() -> None:
                     peak_async = max(peak_async, rss.peak)
                 (saving if name == "async" else plain).append(speed)
                 step_no += args.window
-        emit(
+        figure(
             "async_throughput",
             statistics.median(saving),
             "steps/s",
-            {**config, "window_steps": args.window, "save_every": args.every},
+            config={**config, "window_steps": args.window, "save_every": args.every},
             ratio_to="the same window without saves",
             ratio=statistics.median(saving) / statistics.median(plain),
             with_saves=saving,
             without=plain,
         )
         staged = manager._staging.nbytes
-        emit(
+        figure(
             "async_peak_memory",
             (peak_async - peak_train) / 1e6,
             "MB over training peak",
-            {**config, "staged_mb": staged / 1e6},
+            config={**config, "staged_mb": staged / 1e6},
             ratio_to="one staged copy of the state",
             ratio=(peak_async - peak_train) / staged,
             peak_train_mb=peak_train / 1e6,

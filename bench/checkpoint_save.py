@@ -6,13 +6,12 @@ directory, our save (CheckpointManager: safetensors + JSON, sha256 while writing
 rename) alternates with a plain sequential write of the same number of bytes (one write, one
 fsync). Medians of the MB/s; peak RSS (ru_maxrss) after training vs after the first save.
 
-    python bench/checkpoint_save.py [--reps 5] [--dir DIR]
+    python bench/checkpoint_save.py [--reps 5] [--dir DIR] [--n-layer 8] [--n-embd 768]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -27,6 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.common import detail, figure  # noqa: E402
 from checkpointing.manager import CheckpointManager, Entry  # noqa: E402
 from core.models.tiny_gpt import TinyGPT  # noqa: E402
 from core.optim import parameter_groups  # noqa: E402
@@ -36,9 +36,9 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def train(steps: int) -> tuple[TinyGPT, torch.optim.Optimizer]:
+def train(steps: int, n_layer: int = 8, n_embd: int = 768) -> tuple[TinyGPT, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = TinyGPT(n_layer=8, n_head=12, n_embd=768, block_size=64, dropout=0.0)
+    model = TinyGPT(n_layer=n_layer, n_head=12, n_embd=n_embd, block_size=64, dropout=0.0)
     opt = torch.optim.AdamW(parameter_groups(model, 0.01), lr=1e-4)
     for _ in range(steps):
         x = torch.randint(0, 256, (4, 64))
@@ -71,12 +71,19 @@ def plain_write(directory: Path, payload: bytes) -> float:
     return seconds
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The benchmark model's size (TinyGPT, 12 heads): 8 x 768 is 57M parameters."""
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--n-embd", type=int, default=768)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    add_model_args(parser)
     args = parser.parse_args()
-    model, opt = train(steps=3)
+    model, opt = train(3, args.n_layer, args.n_embd)
     n_params = sum(p.numel() for p in model.parameters())
     peak_train = peak_rss_mb()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -89,36 +96,25 @@ def main() -> None:
         for rep in range(1, args.reps + 1):
             plain.append(size / plain_write(Path(tmp), payload) / 1e6)
             ours.append(size / save(manager, rep, entries)[0] / 1e6)
-    print(json.dumps({"name": "checkpoint_bytes", "params": n_params, "bytes": size}))
-    print(
-        json.dumps(
-            {
-                "name": "save_mb_per_s",
-                "ours_median": statistics.median(ours),
-                "plain_median": statistics.median(plain),
-                "ours": ours,
-                "plain": plain,
-            }
-        )
+    config = {"params": n_params, "bytes": size, "reps": args.reps, "storage": "local disk"}
+    detail("save_mb_per_s", ours=ours, plain=plain)
+    figure(
+        "save_throughput",
+        statistics.median(ours),
+        "MB/s",
+        ratio_to="plain write + fsync of the same bytes",
+        ratio=statistics.median(ours) / statistics.median(plain),
+        config=config,
+        plain_mb_per_s=statistics.median(plain),
     )
-    print(
-        json.dumps(
-            {
-                "name": "save_throughput",
-                "ratio": statistics.median(ours) / statistics.median(plain),
-                "reps": args.reps,
-            }
-        )
-    )
-    print(
-        json.dumps(
-            {
-                "name": "save_peak_memory",
-                "ratio": peak_save / peak_train,
-                "peak_train_mb": peak_train,
-                "peak_save_mb": peak_save,
-            }
-        )
+    figure(
+        "save_peak_memory",
+        peak_save,
+        "MB peak RSS",
+        ratio_to="peak RSS during training",
+        ratio=peak_save / peak_train,
+        config=config,
+        peak_train_mb=peak_train,
     )
 
 

@@ -15,7 +15,6 @@ of DeepSpeed's shared-memory op, so no compile time is in either figure.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -28,12 +27,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.checkpoint_save import add_model_args  # noqa: E402
+from bench.common import detail, figure  # noqa: E402
+
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=None)
+    add_model_args(parser)
     return parser.parse_args()
 
 
@@ -70,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
          "--train.per_device_batch_size", "4"],
     )  # fmt: skip
     torch.manual_seed(0)
-    model = TinyGPT(n_layer=8, n_head=12, n_embd=768, block_size=64, dropout=0.0)
+    model = TinyGPT(n_layer=args.n_layer, n_head=12, n_embd=args.n_embd, block_size=64, dropout=0.0)
     opt = torch.optim.AdamW(parameter_groups(model, 0.01), lr=1e-4)
     engine = DeepSpeedEngine(
         model,
@@ -136,22 +139,23 @@ def worker(args: argparse.Namespace) -> None:
     bare_s, synced_s, ours_s = times["bare"], times["fsynced"], times["ours"]
     if rank == 0:
         for name, times in (("bare", bare_s), ("fsynced", synced_s), ("ours", ours_s)):
-            print(json.dumps({"bench": f"deepspeed_save_{name}", "seconds": times}))
+            detail(f"deepspeed_save_{name}", seconds=times)
         ours, bare, synced = (statistics.median(t) for t in (ours_s, bare_s, synced_s))
-        print(
-            json.dumps(
-                {
-                    "bench": "deepspeed_save",
-                    "zero_stage": args.stage,
-                    "world_size": dist.get_world_size(),
-                    "checkpoint_mb": round(size / 1e6, 1),
-                    "median_ours_s": round(ours, 3),
-                    "median_deepspeed_s": round(bare, 3),
-                    "median_deepspeed_fsynced_s": round(synced, 3),
-                    "ratio_time": round(ours / bare, 3),
-                    "ratio_time_vs_fsynced": round(ours / synced, 3),
-                }
-            )
+        figure(
+            "deepspeed_save",
+            round(ours, 3),
+            "s per save",
+            ratio_to="DeepSpeed's save_checkpoint made durable (fsync of each rank's files)",
+            ratio=round(ours / synced, 3),
+            config={
+                "zero_stage": args.stage,
+                "world_size": dist.get_world_size(),
+                "checkpoint_mb": round(size / 1e6, 1),
+                "reps": args.reps,
+            },
+            deepspeed_fsynced_s=round(synced, 3),
+            deepspeed_bare_s=round(bare, 3),
+            ratio_to_bare=round(ours / bare, 3),
         )
         if args.dir is None:
             shutil.rmtree(root)

@@ -6,7 +6,11 @@ fresh subprocess of their own, with a loss sync every step (the launcher logs ev
 step's time is the wall time between consecutive syncs, summed over the steps after warm-up.
 Runs alternate ours, raw, ours, raw, ...; the figures are medians. One JSON line per figure.
 
-    .venv/bin/python bench/loop_overhead.py [--steps N] [--reps R] [--threads T]
+With `--nproc 2` both sides run under `torchrun --standalone`: the launcher against a raw DDP
+loop (gloo, each rank its interleaved share of the same permutation, the logged loss averaged
+over ranks with one all-reduce, as the launcher logs it).
+
+    .venv/bin/python bench/loop_overhead.py [--steps N] [--reps R] [--threads T] [--nproc P]
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import detail, figure  # noqa: E402
+
 CONFIG = "configs/tiny.yaml"
 
 
@@ -33,6 +41,8 @@ def raw_loop(config_path: str, steps: int, out: Path) -> None:
 
     import numpy as np
     import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
     from core.config import load_config
@@ -55,8 +65,13 @@ def raw_loop(config_path: str, steps: int, out: Path) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     dataset = build_dataset(cfg.data)
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = order[: len(order) // (bs * world) * (bs * world)][rank::world]  # this rank's share
     # A generator of its own, so iter(loader) does not draw from the global RNG (dropout's).
     loader = DataLoader(
         dataset,
@@ -66,8 +81,12 @@ def raw_loop(config_path: str, steps: int, out: Path) -> None:
         drop_last=True,
         generator=torch.Generator(),
     )
-    model = TinyGPT(m.n_layer, m.n_head, m.n_embd, m.block_size, m.dropout, m.bias)
+    # The device the launcher picks (engine.device auto): a CUDA GPU when there is one.
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    model = TinyGPT(m.n_layer, m.n_head, m.n_embd, m.block_size, m.dropout, m.bias).to(device)
     params = list(model.parameters())
+    ids = [device.index] if device.type == "cuda" else None
+    net = DistributedDataParallel(model, device_ids=ids) if world > 1 else model
     o = cfg.optim
     optimizer = torch.optim.AdamW(
         [
@@ -93,19 +112,28 @@ def raw_loop(config_path: str, steps: int, out: Path) -> None:
     losses, times = [], []
     last = time.perf_counter()
     for step, batch in enumerate(loader, start=1):
-        loss = model(**batch)["loss"]
+        loss = net(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})["loss"]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        if world > 1:
+            total = loss.detach().to(torch.float64).reshape(1)
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
+        else:
+            losses.append(loss.item())
         now = time.perf_counter()
         times.append(now - last)
         last = now
         if step == steps:
             break
-    out.write_text(json.dumps({"losses": losses, "step_time_s": times}))
+    if rank == 0:
+        out.write_text(json.dumps({"losses": losses, "step_time_s": times}))
+    if world > 1:
+        dist.barrier()  # no rank tears its connections down while a peer still uses them
+        dist.destroy_process_group()
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -114,18 +142,24 @@ def _env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_side(side: str, steps: int, threads: int) -> tuple[list[float], list[float]]:
-    """One fresh process of `side` ("ours" or "raw"): (loss per step, seconds per step)."""
+def run_side(
+    side: str, steps: int, threads: int, nproc: int = 1
+) -> tuple[list[float], list[float]]:
+    """One fresh process (group) of `side` ("ours" or "raw"): (loss per step, seconds per step)."""
+    python = [sys.executable]
+    if nproc > 1:
+        torchrun = str(Path(sys.executable).parent / "torchrun")
+        python = [torchrun, "--standalone", f"--nproc-per-node={nproc}"]
     with tempfile.TemporaryDirectory(prefix=f"loop_overhead_{side}_") as tmp:
         if side == "ours":
-            cmd = [sys.executable, "-m", "launcher", "--config", CONFIG]
+            cmd = [*python, "-m", "launcher", "--config", CONFIG]
             cmd += ["--train.max_steps", str(steps), "--train.logging_steps", "1"]
             cmd += ["--train.progress_bar", "never"]
             cmd += ["--run.output_dir", str(Path(tmp, "run"))]
             out = Path(tmp, "run", "metrics.jsonl")
         else:
             out = Path(tmp, "raw.json")
-            cmd = [sys.executable, __file__, "--raw", "--steps", str(steps), "--out", str(out)]
+            cmd = [*python, __file__, "--raw", "--steps", str(steps), "--out", str(out)]
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{side} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -133,9 +167,16 @@ def run_side(side: str, steps: int, threads: int) -> tuple[list[float], list[flo
             data = json.loads(out.read_text())
             return data["losses"], data["step_time_s"]
         records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        records = [r for r in records if "loss" in r]  # not the closing summary line
         if [r["step"] for r in records] != list(range(1, steps + 1)):
             raise RuntimeError("ours: metrics.jsonl does not hold one record per step")
         return [r["loss"] for r in records], [r["step_time_s"] for r in records]
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def steady_rates(step_times: list[float], warmup_frac: float) -> tuple[float, float]:
@@ -144,10 +185,6 @@ def steady_rates(step_times: list[float], warmup_frac: float) -> tuple[float, fl
     The first is the figure; the second ignores bursts of host noise within a run."""
     kept = step_times[math.ceil(len(step_times) * warmup_frac) :]
     return len(kept) / sum(kept), 1.0 / statistics.median(kept)
-
-
-def emit(**figure: object) -> None:
-    print(json.dumps(figure), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     # One thread by default: on a shared 2-vCPU VM, two OpenMP threads were seen to make a whole
     # run ~70x slower at random (a descheduled vCPU stalls every barrier); --threads 2 to compare.
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for both sides")
+    p.add_argument("--nproc", type=int, default=1, help="processes per side (torchrun if > 1)")
     p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -172,44 +210,51 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for rep in range(args.reps):
         for side in ("ours", "raw"):
-            losses, step_times = run_side(side, args.steps, args.threads)
+            losses, step_times = run_side(side, args.steps, args.threads, args.nproc)
             first.setdefault(side, losses)
             rate, median_rate = steady_rates(step_times, args.warmup)
             rates[side].append(rate)
             typical[side].append(median_rate)
-            emit(
-                name="loop_overhead_run",
+            detail(
+                "loop_overhead_run",
+                nproc=args.nproc,
                 side=side,
                 rep=rep,
                 steps_per_s=round(rate, 3),
                 median_step_steps_per_s=round(median_rate, 3),
             )
     k = min(args.check, args.steps)
-    emit(
-        name="loop_overhead_same_math",
-        equal=first["ours"][:k] == first["raw"][:k],
-        compared=k,
-        all_steps_equal=first["ours"] == first["raw"],
-    )
+    same = first["ours"][:k] == first["raw"][:k]
 
     def paired(by_side: dict[str, list[float]]) -> float:
         ratios = [a / b for a, b in zip(by_side["ours"], by_side["raw"], strict=True)]
         return round(statistics.median(ratios), 4)
 
     ours, raw = statistics.median(rates["ours"]), statistics.median(rates["raw"])
-    emit(
-        name="loop_overhead",
+    ddp = args.nproc > 1
+    figure(
+        "loop_overhead_ddp" if ddp else "loop_overhead",
+        round(ours, 3),
+        "steps/s",
+        ratio_to=f"raw {'DDP ' if ddp else ''}PyTorch loop, same math",
         ratio=paired(rates),
+        config={
+            "nproc": args.nproc,
+            "model": "tiny-gpt (configs/tiny.yaml)",
+            "reps": args.reps,
+            "steps": args.steps,
+            "threads": args.threads,
+        },
+        raw_steps_per_s=round(raw, 3),
         ratio_of_medians=round(ours / raw, 4),
         ratio_median_step=paired(typical),
-        ours_steps_per_s=round(ours, 3),
-        raw_steps_per_s=round(raw, 3),
-        reps=args.reps,
-        steps=args.steps,
-        threads=args.threads,
+        same_losses_first_steps=same,
+        compared_steps=k,
+        all_steps_equal=first["ours"] == first["raw"],
         wall_s=round(time.perf_counter() - start, 1),
     )
-    return 0
+    # Bit-equal losses are expected on CPU; CUDA kernels may reduce in another order.
+    return 0 if same or torch_cuda() else 1
 
 
 if __name__ == "__main__":

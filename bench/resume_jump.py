@@ -5,13 +5,12 @@ epoch. Each is copied into a run dir of its own; `python -m launcher` resumes fr
 timed from launch until it logs its first resumed step (then stopped). Repetitions interleave;
 medians; the ratio should be <= 1.1 (the sampler jumps, it does not iterate skipped batches).
 
-    python bench/resume_jump.py [--reps 5]
+    python bench/resume_jump.py [--reps 5] [--far 10000]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
@@ -25,6 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.common import detail, figure  # noqa: E402
 from core.callbacks import TrainerCallback  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.loop import DistInfo  # noqa: E402
@@ -44,8 +44,6 @@ OVERRIDES = [
     "0",
     "--train.per_device_batch_size",
     "1",
-    "--train.max_steps",
-    "20000",
     "--train.logging_steps",
     "1000",
     "--train.progress_bar",
@@ -56,25 +54,33 @@ OVERRIDES = [
 
 
 class SaveAt(TrainerCallback):
+    def __init__(self, far: int) -> None:
+        self.far = far
+
     def on_step_end(self, config, state, control) -> None:
-        control.should_save = state.global_step in (NEAR, FAR)
-        control.should_training_stop = state.global_step >= FAR
+        control.should_save = state.global_step in (NEAR, self.far)
+        control.should_training_stop = state.global_step >= self.far
 
 
-def make_checkpoints(root: Path) -> None:
-    config = load_config(None, [*OVERRIDES, "--run.output_dir", str(root / "long")])
-    trainer = build_trainer(config, DistInfo(), torch.device("cpu"), callbacks=[SaveAt()])
+def make_checkpoints(root: Path, far: int) -> None:
+    config = load_config(
+        None,
+        [*OVERRIDES, "--train.max_steps", str(2 * far), "--run.output_dir", str(root / "long")],
+    )
+    trainer = build_trainer(config, DistInfo(), torch.device("cpu"), callbacks=[SaveAt(far)])
     trainer.train()
     assert trainer.state.epoch == 0, "the far checkpoint must be mid-epoch"
 
 
-def time_to_first_step(run_dir: Path, step: int) -> float:
+def time_to_first_step(run_dir: Path, step: int, far: int) -> float:
     metrics = run_dir / "metrics.jsonl"
     cmd = [
         sys.executable,
         "-m",
         "launcher",
         *OVERRIDES,
+        "--train.max_steps",
+        str(2 * far),
         "--run.output_dir",
         str(run_dir),
         "--train.logging_steps",
@@ -97,39 +103,34 @@ def time_to_first_step(run_dir: Path, step: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--far", type=int, default=FAR)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
-        make_checkpoints(root)
-        print(json.dumps({"name": "resume_jump_setup_s", "value": time.perf_counter() - t0}))
-        times: dict[int, list[float]] = {NEAR: [], FAR: []}
+        make_checkpoints(root, args.far)
+        detail("resume_jump_setup_s", value=time.perf_counter() - t0)
+        times: dict[int, list[float]] = {NEAR: [], args.far: []}
         for rep in range(args.reps):
-            for step in (NEAR, FAR) if rep % 2 == 0 else (FAR, NEAR):
+            for step in (NEAR, args.far) if rep % 2 == 0 else (args.far, NEAR):
                 run_dir = root / f"resume-{step}-{rep}"
                 run_dir.mkdir()
                 shutil.copytree(
                     root / "long" / f"checkpoint-{step}", run_dir / f"checkpoint-{step}"
                 )
-                times[step].append(time_to_first_step(run_dir, step))
+                times[step].append(time_to_first_step(run_dir, step, args.far))
                 shutil.rmtree(run_dir)
-    near, far = statistics.median(times[NEAR]), statistics.median(times[FAR])
-    for step, med in ((NEAR, near), (FAR, far)):
-        print(
-            json.dumps(
-                {"name": f"resume_first_step_s_at_{step}", "median": med, "all": times[step]}
-            )
-        )
-    print(
-        json.dumps(
-            {
-                "name": "resume_jump",
-                "ratio": far / near,
-                "near_step": NEAR,
-                "far_step": FAR,
-                "reps": args.reps,
-            }
-        )
+    near, far = statistics.median(times[NEAR]), statistics.median(times[args.far])
+    figure(
+        "resume_jump",
+        far,
+        "s launch to first resumed step",
+        ratio_to=f"the same at step {NEAR}",
+        ratio=far / near,
+        config={"near_step": NEAR, "far_step": args.far, "reps": args.reps},
+        near_s=near,
+        far_all=times[args.far],
+        near_all=times[NEAR],
     )
 
 

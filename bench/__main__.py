@@ -1,0 +1,129 @@
+"""Every benchmark in one run: `python -m bench` prints one JSON line per figure on stdout.
+
+Each benchmark runs as a subprocess of its own (a fresh interpreter: no benchmark sees another's
+heap or threads), in this order; its figure lines are checked (`bench.common.FIGURE_KEYS`) and
+passed on, anything else it prints goes to stderr. `--smoke` runs each one a few steps on a
+small model, to check that the suite works (the figures then mean nothing); the test suite runs
+it. The exit status is 1 when a benchmark failed or printed no figure.
+
+    .venv/bin/python -m bench [--smoke] [--only NAME[,NAME...]] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.common import is_figure  # noqa: E402
+
+SMALL_MODEL = ["--n-layer", "1", "--n-embd", "96"]
+# name: (script, full-run arguments, smoke arguments, figures it prints)
+BENCHMARKS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
+    "loop_overhead": (
+        "loop_overhead.py",
+        ["--reps", "5", "--steps", "400"],
+        ["--reps", "1", "--steps", "12", "--check", "5"],
+        ["loop_overhead"],
+    ),
+    "loop_overhead_ddp": (
+        "loop_overhead.py",
+        ["--nproc", "2", "--reps", "3", "--steps", "300"],
+        ["--nproc", "2", "--reps", "1", "--steps", "12", "--check", "5"],
+        ["loop_overhead_ddp"],
+    ),
+    "data_path": (
+        "data_path.py",
+        [],
+        ["--reps", "1", "--epochs", "1", "--max-bytes", "20000"],
+        ["data_path"],
+    ),
+    "peers": (
+        "peers.py",
+        [],
+        ["--steps", "12", "--reps", "1", "--resume-at", "5"],
+        ["vs_trainer", "vs_accelerate", "resume_vs_trainer"],
+    ),
+    "checkpoint_save": (
+        "checkpoint_save.py",
+        [],
+        ["--reps", "1", *SMALL_MODEL],
+        ["save_throughput", "save_peak_memory"],
+    ),
+    "async_save": (
+        "async_save.py",
+        [],
+        ["--reps", "1", "--window", "4", "--every", "2", *SMALL_MODEL],
+        ["async_stall", "async_throughput", "async_peak_memory", "s3_upload"],
+    ),
+    "resume_jump": (
+        "resume_jump.py",
+        ["--reps", "3"],
+        ["--reps", "1", "--far", "20"],
+        ["resume_jump"],
+    ),
+    "deepspeed_save": (
+        "deepspeed_save.py",
+        [],
+        ["--reps", "1", *SMALL_MODEL],
+        ["deepspeed_save"],
+    ),
+}
+
+
+def run(name: str, smoke: bool) -> list[str]:
+    """Run one benchmark, pass its figure lines on; the names of the figures missing."""
+    script, full, quick, expected = BENCHMARKS[name]
+    cmd = [sys.executable, str(REPO / "bench" / script), *(quick if smoke else full)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    seen = []
+    for raw in proc.stdout:
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError:
+            line = None
+        if isinstance(line, dict) and is_figure(line):
+            seen.append(line["name"])
+            print(json.dumps(line), flush=True)
+        else:
+            sys.stderr.write(raw)
+    code = proc.wait()
+    seconds = time.perf_counter() - t0
+    print(f"bench: {name} exited {code} after {seconds:.0f} s", file=sys.stderr, flush=True)
+    missing = [f for f in expected if f not in seen]
+    if code != 0:
+        missing = missing or [f"{name} (exit {code})"]
+    return missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true", help="a few steps each, small model")
+    parser.add_argument("--only", default=None, help="comma-separated benchmark names")
+    parser.add_argument("--list", action="store_true", help="print the benchmark names")
+    args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(BENCHMARKS))
+        return 0
+    names = list(BENCHMARKS) if args.only is None else args.only.split(",")
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark {', '.join(unknown)}; one of {', '.join(BENCHMARKS)}")
+    missing = [f for name in names for f in run(name, args.smoke)]
+    if missing:
+        print(f"bench: no figure from {', '.join(missing)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""`python -m bench --smoke`: every benchmark runs a few steps and prints its figures in the
+common shape, so the suite cannot rot between full runs (the figures themselves mean nothing)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from bench.__main__ import BENCHMARKS
+from bench.common import FIGURE_KEYS
+from tests.launch import REPO, run
+
+
+def test_every_benchmark_prints_its_figures():
+    result = run([sys.executable, "-m", "bench", "--smoke"], cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.output[-5000:]
+    figures = {}
+    for line in result.output.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if all(k in record for k in FIGURE_KEYS):
+                figures[record["name"]] = record
+    expected = {f for *_, names in BENCHMARKS.values() for f in names}
+    assert expected <= set(figures), sorted(expected - set(figures))
+    for record in figures.values():
+        assert isinstance(record["value"], (int, float)) and record["value"] > 0, record
+        assert isinstance(record["config"], dict), record
+        if record["ratio_to"] is not None:
+            assert isinstance(record["ratio"], (int, float)) and record["ratio"] > 0, record
+    # The raw loops do the launcher's math: the smoke run compares the first losses bit for bit.
+    assert figures["loop_overhead"]["same_losses_first_steps"] is True
+    assert figures["loop_overhead_ddp"]["same_losses_first_steps"] is True
