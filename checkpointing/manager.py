@@ -26,6 +26,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -62,6 +63,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TMP_PREFIX = ".tmp-checkpoint-"
+WRITE_THREADS = 4
+"""Files of one rank's checkpoint written at once (each hashed on a thread of its own too)."""
 TRASH_PREFIX = ".trash-"
 
 
@@ -272,8 +275,7 @@ class CheckpointManager:
         digests: dict[str, FileDigest] = {}
         error = None
         try:
-            for file, structure, tensors in snap.files:
-                digests.update(write_encoded(target, file, structure, tensors))
+            digests.update(_write_files(target, snap.files))
             if snap.directories:
                 digests.update(self._directory_digests(target, snap))
         except Exception as e:
@@ -461,6 +463,23 @@ class CheckpointManager:
     def _store(self, what: str, fn: Callable[[], T]) -> T:
         """A store operation of the training thread, retried; StorageError when it fails."""
         return retrying(what, fn, self.storage.retries)
+
+
+def _write_files(target: Storage, files: list[tuple[str, Any, Any]]) -> dict[str, FileDigest]:
+    """Write the entries' files, up to WRITE_THREADS at once. Each file's sha256 runs on a
+    thread of its own beside its writes (hashlib and file writes release the GIL), so with
+    several large entries (model, optimizer) a save is not bound by one core's hashing speed
+    (about 1.15 GB/s on this project's CI machine). The first error, in entry order, is raised
+    once every write has ended."""
+    if len(files) <= 1:
+        return {k: v for f in files for k, v in write_encoded(target, *f).items()}
+    with ThreadPoolExecutor(min(WRITE_THREADS, len(files)), "checkpoint-write") as pool:
+        futures = [pool.submit(write_encoded, target, *f) for f in files]
+        wait(futures)
+    digests: dict[str, FileDigest] = {}
+    for future in futures:
+        digests.update(future.result())
+    return digests
 
 
 def _upload(target: Storage, rel: str, path: Path) -> FileDigest:
