@@ -106,7 +106,7 @@ class Restorer:
                         except CheckpointError:
                             continue
             except Exception as e:
-                logger.debug("peek at %s: %s", resume_from, e)
+                logger.warning("could not read the checkpoint to resume ahead of time: %s", e)
                 found = None
         return broadcast_object(found, self.group)
 
@@ -185,7 +185,10 @@ class Restorer:
                 state = load_state(where, file_name, manifest.files)
             except StateFormatError as e:
                 raise CheckpointCorruptError(f"refusing to load: {e}") from e
-            entry.obj.load_state_dict(state)
+            try:
+                entry.obj.load_state_dict(state)
+            except ValueError as e:  # the state does not fit this run (sizes, shapes)
+                raise CheckpointError(f"{where.display()}: {name}: {e}") from e
 
     def _load_directory(self, where: Storage, manifest: Manifest, name: str, obj: Any) -> None:
         local = where.local_path(name)

@@ -117,30 +117,36 @@ def _check_deepspeed_reshard(config: Config, saved: Manifest, where: str) -> Non
 def fit_world_size(config: Config, saved: Manifest | None, world_size: int) -> Config:
     """The config that resumes `saved` on `world_size` ranks.
 
-    On the saved number of ranks (or with nothing to resume) that is `config`. On another
-    number, with train.keep_global_batch, gradient accumulation is set so that world size x
-    per-device batch x accumulation equals the saved global batch, and the change is logged;
-    a resume that cannot keep it, or state that cannot be resharded, is refused with the
-    numbers (CheckpointError)."""
-    if saved is None or saved.world_size == world_size:
+    With train.keep_global_batch, gradient accumulation is set so that world size x per-device
+    batch x accumulation equals the checkpoint's global batch, and a change is logged: on
+    another number of ranks, and on the same number after such a resume (the checkpoint then
+    ran at another accumulation than the config says). A resume that cannot keep it, or state
+    that cannot be resharded, is refused with the numbers (CheckpointError)."""
+    if saved is None:
         return config
     tc, old = config.train, saved.world_size
-    where = f"resuming a checkpoint of {old} rank(s) on {world_size}"
-    if saved.engine != config.engine.name:
-        raise CheckpointError(
-            f"{where}: saved by engine {saved.engine}, this run uses {config.engine.name}"
-        )
-    if saved.engine == "deepspeed":
-        _check_deepspeed_reshard(config, saved, where)
-    if str(saved.trajectory.get("dataset", "")).startswith("stream:"):
-        raise CheckpointError(
-            f"{where}: an iterable dataset is dealt to ranks by their number, so its position "
-            f"means nothing on {world_size}; relaunch on {old}"
-        )
+    elastic = old != world_size
+    where = (
+        f"resuming a checkpoint of {old} rank(s) on {world_size}"
+        if elastic
+        else f"resuming checkpoint-{saved.step}"
+    )
+    if elastic:
+        if saved.engine != config.engine.name:
+            raise CheckpointError(
+                f"{where}: saved by engine {saved.engine}, this run uses {config.engine.name}"
+            )
+        if saved.engine == "deepspeed":
+            _check_deepspeed_reshard(config, saved, where)
+        if str(saved.trajectory.get("dataset", "")).startswith("stream:"):
+            raise CheckpointError(
+                f"{where}: an iterable dataset is dealt to ranks by their number, so its "
+                f"position means nothing on {world_size}; relaunch on {old}"
+            )
     target = saved_global_batch(saved.trajectory)
     b, a = tc.per_device_batch_size, tc.gradient_accumulation_steps
     if target is None or world_size * b * a == target:
-        if target is not None:
+        if target is not None and elastic:
             logger.warning(
                 "%s: the global batch stays %d (%d x %d x %d accumulation)",
                 where,
@@ -151,22 +157,29 @@ def fit_world_size(config: Config, saved: Manifest | None, world_size: int) -> C
             )
         return config
     if not tc.keep_global_batch:
+        if not elastic:
+            return config  # the trajectory check names what changed
         raise CheckpointError(
             f"{where}: the global batch would change from {target} to {world_size * b * a} "
             f"({world_size} ranks x {b} per device x {a} accumulation) with "
             "train.keep_global_batch false; set it true, or choose the accumulation yourself"
         )
+    if not elastic and saved.trajectory.get("train.per_device_batch_size", b) != b:
+        return config  # another micro-batch on the same ranks: the trajectory check refuses
+    if target % world_size:
+        raise CheckpointError(
+            f"{where}: cannot keep the global batch of {target} samples: it is not a multiple "
+            f"of {world_size} ranks; relaunch on a number of ranks that divides {target}"
+        )
     if target % (world_size * b):
         raise CheckpointError(
             f"{where}: cannot keep the global batch of {target} samples: it is not a multiple "
-            f"of {world_size} ranks x {b} per device; choose a per_device_batch_size that "
-            f"divides {target // world_size if target % world_size == 0 else target}"
-            + ("" if target % world_size == 0 else f", or a number of ranks dividing {target}")
+            f"of {world_size} ranks x {b} per device; set train.per_device_batch_size to a "
+            f"divisor of {target // world_size}"
         )
     accumulation = target // (world_size * b)
     logger.warning(
-        "%s: gradient_accumulation_steps %d -> %d keeps the global batch at %d "
-        "(%d x %d x %d); losses continue within float rounding of the run on %d, not bit for bit",
+        "%s: gradient_accumulation_steps %d -> %d keeps the global batch at %d (%d x %d x %d)%s",
         where,
         a,
         accumulation,
@@ -174,7 +187,9 @@ def fit_world_size(config: Config, saved: Manifest | None, world_size: int) -> C
         world_size,
         b,
         accumulation,
-        old,
+        f"; losses continue within float rounding of the run on {old}, not bit for bit"
+        if elastic
+        else "",
     )
     train = dataclasses.replace(tc, gradient_accumulation_steps=accumulation)
     return dataclasses.replace(config, train=train)
@@ -325,9 +340,11 @@ class RunCheckpointer:
         self.manager.load(path, manifest, self.entries())
         now = self._checks()
         self._compare(path, "learning rate", manifest.checks["lr"], now["lr"])
-        saved_ids = manifest.checks["next_sample_ids"]
-        n = min(len(saved_ids), len(now["next_sample_ids"]))  # older checkpoints: one micro-batch
-        self._compare(path, "next batch sample ids", saved_ids[:n], now["next_sample_ids"][:n])
+        saved_ids, now_ids = manifest.checks["next_sample_ids"], now["next_sample_ids"]
+        n = min(len(saved_ids), len(now_ids))  # older checkpoints recorded one micro-batch
+        if n == 0:
+            n = max(len(saved_ids), len(now_ids))  # nothing to compare is itself a difference
+        self._compare(path, "next batch sample ids", saved_ids[:n], now_ids[:n])
         source = source_rank(self.manager.rank, manifest.world_size)
         self._pending_rng_check = manifest.checks["rng"][source]
         self.last_saved_step = manifest.step
@@ -369,9 +386,13 @@ class RunCheckpointer:
         saved["train.global_batch"] = saved_global_batch(saved)
         keys = sorted(set(saved) | set(self.trajectory))
         differ = [k for k in keys if saved.get(k) != self.trajectory.get(k)]
-        if "world_size" in differ:
-            # Another number of ranks with the same global batch: fit_world_size planned it.
-            differ = [k for k in differ if k not in ELASTIC_FIELDS]
+        if "train.global_batch" not in differ:
+            # The same global batch on other ranks (or after such a resume): fit_world_size
+            # planned the accumulation; on other ranks the micro-batch may change too.
+            allowed = ELASTIC_FIELDS | (
+                {"train.per_device_batch_size"} if "world_size" in differ else set()
+            )
+            differ = [k for k in differ if k not in allowed]
         if not differ:
             return
         detail = ", ".join(f"{k} ({saved.get(k)!r} -> {self.trajectory.get(k)!r})" for k in differ)

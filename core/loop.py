@@ -128,7 +128,13 @@ class TrainLoop:
         try:
             with self.memory.stage("train"):
                 while state.global_step < self.total_steps and not control.should_training_stop:
+                    before = (state.global_step, state.epoch)
                     self._train_epoch()
+                    if (state.global_step, state.epoch) == before and not self.preempted:
+                        raise RuntimeError(
+                            f"epoch {state.epoch} holds no optimizer step from position "
+                            f"{self.sampler.position} of {self.sampler.total_size}"
+                        )
             if self.checkpointer is not None:
                 # The final checkpoint (waiting for one in flight), or that wait alone.
                 self._save(final=True, skip=self.checkpointer.last_saved_step == state.global_step)

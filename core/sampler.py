@@ -176,7 +176,13 @@ class ResumableDistributedSampler(Sampler[int]):
                 f"sampler state is for {state['num_samples']} samples, "
                 f"the dataset has {self.num_samples}"
             )
-        saved_size = state.get("total_size", self.total_size)
+        saved_size = state.get("total_size")
+        if saved_size is None:
+            # Written before the epoch was cut in whole global batches, on this run's ranks
+            # (resumes on other ranks were refused then): the cut of that version.
+            unit = self.batch_size * self.num_replicas
+            n = self.num_samples
+            saved_size = n // unit * unit if self.drop_last else self.total_size
         if saved_size != self.total_size:
             how = (
                 f"cut to whole global batches of {self.global_batch}"

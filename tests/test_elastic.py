@@ -115,6 +115,15 @@ def test_two_ranks_resume_on_one(tmp_path):
     assert sorted(ref_ids) == list(range(1, STEPS + 1))
     assert_accounted(ref_ids, sample_ids(resumed.output), ref_ids)
     assert_close_run(ref, res)
+    # A later restart on one rank with the same command keeps the global batch too, and is
+    # exact from there (same ranks, same accumulation).
+    again = tmp_path / "again"
+    seed_resume_dir(res, again, 24)
+    restarted = run_launcher(again, None, *ARGS)
+    assert restarted.returncode == 0, restarted.output
+    assert "gradient_accumulation_steps 1 -> 2 keeps the global batch at 16" in restarted.output
+    assert_same_losses(res, again)
+    assert_same_checkpoint(res / f"checkpoint-{STEPS}", again / f"checkpoint-{STEPS}")
 
 
 def test_one_rank_resumes_on_two_deterministically(tmp_path):
@@ -140,24 +149,31 @@ def test_one_rank_resumes_on_two_deterministically(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("overrides", "message"),
+    ("saving", "resuming", "message"),
     [
         (
+            (),
             ("--train.per_device_batch_size", "5"),
             "cannot keep the global batch of 16 samples: it is not a multiple of 1 ranks x 5",
         ),
         (
+            (),
             ("--train.keep_global_batch", "false"),
             "the global batch would change from 16 to 8",
         ),
+        (
+            ("--data.drop_last", "false"),  # 625 samples: padded to 626 on 2 ranks, 625 on 1
+            ("--data.drop_last", "false"),
+            "sampler state is for an epoch of 626 samples, this run's epoch has 625",
+        ),
     ],
 )
-def test_impossible_change_is_refused(tmp_path, overrides, message):
+def test_impossible_change_is_refused(tmp_path, saving, resuming, message):
     ref = tmp_path / "ref"
     args = (*ARGS, "--train.max_steps", "4", "--checkpoint.save_steps", "2")
-    assert run_launcher(ref, 2, *args).returncode == 0
+    assert run_launcher(ref, 2, *args, *saving).returncode == 0
     resume = ("--checkpoint.resume_from", str(ref / "checkpoint-4"))
-    result = run_launcher(tmp_path / "res", None, *args, *resume, *overrides)
+    result = run_launcher(tmp_path / "res", None, *args, *resume, *resuming)
     assert result.returncode == 3, result.output
     assert message in result.output
     assert "Traceback" not in result.output
@@ -178,6 +194,17 @@ def _manifest(world_size: int, engine: str = "ddp", **trajectory) -> Manifest:
 def _config(**train) -> Config:
     config = load_config(REPO / "configs" / "tiny.yaml")
     return dataclasses.replace(config, train=dataclasses.replace(config.train, **train))
+
+
+def test_fit_world_size_keeps_the_checkpoints_global_batch_on_the_same_ranks():
+    """After a resume on other ranks the checkpoint's accumulation differs from the config's."""
+    config = _config(per_device_batch_size=8, gradient_accumulation_steps=1)
+    saved = _manifest(1, **{"train.global_batch": 16, "train.per_device_batch_size": 8})
+    assert fit_world_size(config, saved, 1).train.gradient_accumulation_steps == 2
+    off = dataclasses.replace(
+        config, train=dataclasses.replace(config.train, keep_global_batch=False)
+    )
+    assert fit_world_size(off, saved, 1) is off  # the trajectory check then names the change
 
 
 def test_fit_world_size_adjusts_only_what_it_must():
@@ -211,7 +238,8 @@ def _ds(stage: int, **optimizer) -> dict:
             "hold Adam moments only",
         ),
         (_manifest(2, **{"train.global_batch": 16, "dataset": "stream:X"}), "ddp", "iterable"),
-        (_manifest(2, **{"train.global_batch": 32}), "ddp", "not a multiple of 3 ranks x 8"),
+        (_manifest(2, **{"train.global_batch": 32}), "ddp", "ranks that divides 32"),
+        (_manifest(2, **{"train.global_batch": 36}), "ddp", "3 ranks x 8 per device; set"),
     ],
 )
 def test_fit_world_size_refuses(saved, engine, message):

@@ -151,3 +151,14 @@ def test_state_refuses_an_epoch_of_another_length():
     s = make(n=103, world=2, batch=4)  # 96 samples an epoch
     with pytest.raises(ValueError, match="epoch of 96 samples, this run's epoch has 100"):
         make(n=103, world=1, batch=4).load_state_dict(s.state_dict())
+
+
+def test_state_from_before_the_global_batch_cut_is_checked_against_its_own_cut():
+    """A state written before the epoch was cut in whole optimizer steps (no total_size):
+    1003 samples in micro-batches of 8 were 1000 an epoch; in steps of 8 x 5 they are 1000 too
+    (accepted), in steps of 8 x 3 they are 984 (refused: not another epoch layout)."""
+    old = make(n=1003, batch=8).state_dict()
+    del old["total_size"]
+    make(n=1003, batch=8, accumulation=5).load_state_dict(old)
+    with pytest.raises(ValueError, match="epoch of 1000 samples, this run's epoch has 984"):
+        make(n=1003, batch=8, accumulation=3).load_state_dict(old)

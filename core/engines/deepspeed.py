@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from checkpointing.comm import any_rank
+from checkpointing.manifest import CheckpointError
 from checkpointing.stateful import DirectoryState, Stateful
 from core.config import Config, ConfigError
 from core.engines.base import Engine
@@ -172,8 +174,24 @@ class DeepSpeedShards:
         from checkpointing.deepspeed_files import universal_copy
         from checkpointing.deepspeed_safe_load import weights_only_torch_loads
 
+        optimizer = type(self._engine.basic_optimizer).__name__
+        if "adam" not in optimizer.lower():  # what the universal format holds: Adam moments
+            raise CheckpointError(
+                f"{directory}: ZeRO shards of {saved_ranks} rank(s) cannot be resharded for "
+                f"{optimizer}: DeepSpeed's universal checkpoints hold Adam moments only"
+            )
         with tempfile.TemporaryDirectory(prefix="deepspeed-universal-") as tmp:
-            universal_copy(directory / TAG, Path(tmp) / TAG)
+            error: Exception | None = None
+            try:
+                universal_copy(directory / TAG, Path(tmp) / TAG)
+            except Exception as e:  # e.g. a full local disk on one host
+                error = e
+            # DeepSpeed's universal load is a collective: every rank goes on, or none does.
+            if any_rank([error is not None])[0]:
+                raise CheckpointError(
+                    f"{directory}: converting ZeRO shards of {saved_ranks} rank(s) for "
+                    f"{dist.get_world_size()} failed: {error or 'on another rank'}"
+                ) from error
             # DeepSpeed asks engine.load_universal_checkpoint() (its config's flag) while
             # loading; set only for this load, so the engine is otherwise the one configured.
             config = self._engine._config
