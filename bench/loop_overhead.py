@@ -136,7 +136,9 @@ def raw_loop(config_path: str, steps: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
-def _env(threads: int) -> dict[str, str]:
+def child_env(threads: int) -> dict[str, str]:
+    """This environment for a benchmark subprocess: no torchrun variables, `threads` OpenMP
+    threads."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = str(threads)
     return env
@@ -160,7 +162,7 @@ def run_side(
         else:
             out = Path(tmp, "raw.json")
             cmd = [*python, __file__, "--raw", "--steps", str(steps), "--out", str(out)]
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, env=child_env(threads), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{side} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
         if side == "raw":

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import detail, figure  # noqa: E402
-from bench.loop_overhead import CONFIG, run_side, steady_rates  # noqa: E402
+from bench.loop_overhead import CONFIG, child_env, run_side, steady_rates  # noqa: E402
 
 WARMUP = 0.1
 
@@ -173,12 +173,6 @@ def accelerate_side(total: int, out: Path) -> None:
     out.write_text(json.dumps({"step_time_s": times, "losses": losses}))
 
 
-def _env(threads: int) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
 def _worker(side: str, total: int, out: Path, work: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
@@ -200,7 +194,7 @@ def peer_run(side: str, steps: int, threads: int) -> list[float]:
     with tempfile.TemporaryDirectory(prefix=f"peers_{side}_") as tmp:
         out = Path(tmp, "out.json")
         cmd = _worker(side, steps, out, Path(tmp, "work"))
-        proc = subprocess.run(cmd, cwd=REPO, env=_env(threads), capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=REPO, env=child_env(threads), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{side} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
         return json.loads(out.read_text())["step_time_s"]
@@ -274,7 +268,7 @@ def resume(at: int, reps: int, threads: int) -> None:
         proc = subprocess.run(
             [*_ours_cmd(ours_src, total), "--checkpoint.save_steps", str(at)],
             cwd=REPO,
-            env=_env(threads),
+            env=child_env(threads),
             capture_output=True,
             text=True,
         )
@@ -282,7 +276,7 @@ def resume(at: int, reps: int, threads: int) -> None:
             raise RuntimeError(proc.stderr[-3000:])
         theirs_src = root / "trainer"
         cmd = _worker("trainer", total, root / "t.json", theirs_src, "--stop-at", str(at))
-        proc = subprocess.run(cmd, cwd=REPO, env=_env(threads), capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=REPO, env=child_env(threads), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
         times: dict[str, list[float]] = {"ours": [], "trainer": []}
@@ -308,7 +302,7 @@ def resume(at: int, reps: int, threads: int) -> None:
                 proc = subprocess.Popen(
                     cmd,
                     cwd=REPO,
-                    env=_env(threads),
+                    env=child_env(threads),
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.PIPE,
                     text=True,

@@ -471,8 +471,8 @@ def _write_files(target: Storage, files: list[tuple[str, Any, Any]]) -> dict[str
     several large entries (model, optimizer) a save is not bound by one core's hashing speed
     (about 1.15 GB/s on this project's CI machine). The first error, in entry order, is raised
     once every write has ended."""
-    if len(files) <= 1:
-        return {k: v for f in files for k, v in write_encoded(target, *f).items()}
+    if len(files) <= 1:  # no pool for one file
+        return write_encoded(target, *files[0]) if files else {}
     with ThreadPoolExecutor(min(WRITE_THREADS, len(files)), "checkpoint-write") as pool:
         futures = [pool.submit(write_encoded, target, *f) for f in files]
         wait(futures)

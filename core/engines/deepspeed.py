@@ -157,15 +157,19 @@ class DeepSpeedShards:
         if self.elastic and saved_ranks != dist.get_world_size():
             self._load_resharded(directory, saved_ranks)
             return
+        self._load(directory)
+
+    def _load(self, load_dir: Path | str) -> None:
+        """DeepSpeed's load_checkpoint of everything under `load_dir`/TAG."""
         path, _ = self._engine.load_checkpoint(
-            str(directory),
+            str(load_dir),
             tag=TAG,
             load_module_strict=True,
             load_optimizer_states=True,
             load_lr_scheduler_states=self._load_lr_scheduler,
         )
         if path is None:
-            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {directory}/{TAG}")
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {load_dir}/{TAG}")
 
     def _load_resharded(self, directory: Path, saved_ranks: int) -> None:
         """Shards of `saved_ranks` ranks on this world size: each rank converts them into a
@@ -198,17 +202,9 @@ class DeepSpeedShards:
             config.load_universal_checkpoint = True
             try:
                 with weights_only_torch_loads(directory / TAG):
-                    path, _ = self._engine.load_checkpoint(
-                        tmp,
-                        tag=TAG,
-                        load_module_strict=True,
-                        load_optimizer_states=True,
-                        load_lr_scheduler_states=self._load_lr_scheduler,
-                    )
+                    self._load(tmp)
             finally:
                 config.load_universal_checkpoint = False
-        if path is None:
-            raise FileNotFoundError(f"DeepSpeed found no universal checkpoint in {tmp}/{TAG}")
         logger.info(
             "loaded ZeRO shards of %d rank(s) on %d through a universal checkpoint",
             saved_ranks,
