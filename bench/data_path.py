@@ -24,8 +24,8 @@ sys.path.insert(0, str(REPO))
 from bench.common import figure  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.data import build_dataset, collate  # noqa: E402
-from core.loader import make_dataloader  # noqa: E402
-from core.sampler import ResumableDistributedSampler  # noqa: E402
+from core.data.loader import make_dataloader  # noqa: E402
+from core.data.sampler import ResumableDistributedSampler  # noqa: E402
 
 
 def samples_per_s(loader_for_epoch, epochs: int) -> float:

@@ -1,4 +1,5 @@
-"""`python -m checkpointing list DIR | verify PATH | export PATH OUT.safetensors`."""
+"""`python -m checkpointing list DIR | verify PATH | export PATH OUT.safetensors | export PATH
+OUT_DIR --hf [--max-shard-size 5GB]`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import yaml
 
 from checkpointing.deepspeed_files import deepspeed_weights
+from checkpointing.hf_export import DEFAULT_MAX_SHARD_SIZE, HF_ENTRY, HFFiles, write_hf_model
 from checkpointing.manager import TMP_PREFIX
 from checkpointing.manifest import CheckpointError, list_checkpoints, verify
 from checkpointing.serialize import load_state, write_safetensors
@@ -67,12 +69,18 @@ def cmd_verify(where: Storage) -> int:
     return 0
 
 
-def cmd_export(where: Storage, out: Path) -> int:
+def cmd_export(where: Storage, out: Path, hf: bool = False, max_shard_size: str = "") -> int:
     """Model weights only, every parameter and buffer under its own name (tied weights
     written under each name), for inference. A DeepSpeed checkpoint's ZeRO shards are
-    consolidated into full fp32 weights first."""
+    consolidated into full fp32 weights first. With `hf`, a Hugging Face model directory
+    (config, sharded safetensors, tokenizer) that transformers loads."""
     try:
         manifest = verify(where)
+        if hf and HF_ENTRY not in manifest.entries:
+            raise CheckpointError(
+                f"{where.display()}: holds no Hugging Face model files (the run's model.name "
+                "was not hf:); export without --hf for a safetensors file of the weights"
+            )
         if manifest.engine == "deepspeed":
             local = where.local_path()
             if local is None:
@@ -82,6 +90,14 @@ def cmd_export(where: Storage, out: Path) -> int:
             state = deepspeed_weights(local, manifest)
         else:
             state = load_state(where, "model", manifest.files)
+        if hf:
+            files = HFFiles({})
+            files.load_state_dict(load_state(where, HF_ENTRY, manifest.files))
+            tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+            write_hf_model(out, tensors, files.files, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+            size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+            print(f"exported a Hugging Face model directory to {out} ({size / 1e6:.1f} MB)")
+            return 0
     except CheckpointError as e:
         print(f"FAILED {e}", file=sys.stderr)
         return 1
@@ -107,10 +123,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("verify", help="check every file against the manifest (exit 1 if not)")
     p.add_argument("path", help="a checkpoint directory or URL")
     p = sub.add_parser(
-        "export", help="model weights as one safetensors file (ZeRO shards consolidated)"
+        "export",
+        help="model weights as one safetensors file (ZeRO shards consolidated), or with --hf "
+        "a directory transformers loads",
     )
     p.add_argument("path", help="a checkpoint directory or URL")
-    p.add_argument("out", type=Path)
+    p.add_argument("out", type=Path, help="a .safetensors file, or with --hf a directory")
+    p.add_argument(
+        "--hf",
+        action="store_true",
+        help="write a Hugging Face model directory: config.json, model.safetensors (sharded "
+        "above --max-shard-size, with its index), generation_config.json, tokenizer files",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help=f"with --hf: the largest weights file (default {DEFAULT_MAX_SHARD_SIZE})",
+    )
     for p in sub.choices.values():
         p.add_argument(
             "--storage-options",
@@ -131,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_list(where)
         if args.cmd == "verify":
             return cmd_verify(where)
-        return cmd_export(where, args.out)
+        return cmd_export(where, args.out, args.hf, args.max_shard_size)
     except OSError as e:
         print(f"FAILED {e}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from checkpointing.hf_export import HF_ENTRY, HFFiles
 from checkpointing.manager import CheckpointManager, CheckpointSaveError, Entry
 from checkpointing.manifest import CheckpointError, Manifest, read_manifest
 from checkpointing.restore import source_rank
@@ -22,8 +23,8 @@ from checkpointing.staging import SaveOutcome
 from checkpointing.stateful import Stateful
 from checkpointing.storage import Storage
 from core.config import Config
+from core.data.sampler import ResumableDistributedSampler
 from core.engines.base import Engine
-from core.sampler import ResumableDistributedSampler
 from core.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ NEUTRAL_FIELDS = {
     "run.log_level",
     "run.report_to",
     "data.num_workers",
+    "data.num_proc",
     "train.logging_steps",
     "train.progress_bar",
     "train.keep_global_batch",
@@ -42,6 +44,17 @@ NEUTRAL_FIELDS = {
     "engine.find_unused_parameters",
 }
 NEUTRAL_SECTIONS = {"checkpoint"}
+# Fields added after checkpoints were first written, with the value every run had before them:
+# an older checkpoint without them resumes as if it recorded these.
+ADDED_FIELDS = {
+    "model.pretrained": False,
+    "model.dtype": "float32",
+    "model.attn_implementation": None,
+    "model.trust_remote_code": False,
+    "data.tokenizer": "bytes",
+    "data.train_on": "assistant",
+    "data.chat_template": None,
+}
 
 
 class ResumeMismatchError(CheckpointError):
@@ -52,8 +65,16 @@ class ResumeMismatchError(CheckpointError):
 ELASTIC_FIELDS = {"world_size", "train.gradient_accumulation_steps"}
 
 
-def trajectory(config: Config, world_size: int, dataset_fp: str, total_steps: int) -> dict:
-    """The values that decide the trajectory, flat as {"section.key": value}."""
+def trajectory(
+    config: Config,
+    world_size: int,
+    dataset_fp: str,
+    total_steps: int,
+    tokenizer_fp: str | None = None,
+) -> dict:
+    """The values that decide the trajectory, flat as {"section.key": value}. `tokenizer_fp`:
+    the content fingerprint of a Hugging Face tokenizer (its directory may change under the
+    same data.tokenizer name)."""
     tc = config.train
     flat = {
         f"{section}.{key}": value
@@ -75,6 +96,8 @@ def trajectory(config: Config, world_size: int, dataset_fp: str, total_steps: in
             "total_steps": total_steps,
         }
     )
+    if tokenizer_fp is not None:
+        flat["data.tokenizer.fingerprint"] = tokenizer_fp
     return flat
 
 
@@ -210,6 +233,7 @@ class RunCheckpointer:
         sampler: ResumableDistributedSampler,
         state: TrainState,
         trajectory: dict[str, Any],
+        hf_files: HFFiles | None = None,
     ) -> None:
         self.config = config
         self.manager = manager
@@ -217,6 +241,8 @@ class RunCheckpointer:
         self.sampler = sampler
         self.state = state
         self.trajectory = trajectory
+        self.hf_files = hf_files
+        """A Hugging Face model's config and tokenizer files, for exports (None: not one)."""
         self.rng = RNGState()
         self.last_saved_step: int | None = None
         self.last_eval: tuple[int, dict[str, float]] | None = None
@@ -242,6 +268,7 @@ class RunCheckpointer:
             },
             "sampler": Entry(self.sampler),
             "train_state": Entry(self.state),
+            **({HF_ENTRY: Entry(self.hf_files)} if self.hf_files is not None else {}),
             **{name: Entry(obj) for name, obj in self.extra_state().items()},
             # On another number of ranks, rank r continues the stream of saved rank r mod W:
             # every rank is seeded alike (set_seed), so this keeps that convention.
@@ -383,6 +410,7 @@ class RunCheckpointer:
 
     def _check_trajectory(self, path: Storage, saved: dict[str, Any]) -> None:
         saved = {k: v for k, v in saved.items() if k != "train.samples_per_step"}
+        saved = {**{k: v for k, v in ADDED_FIELDS.items() if k in self.trajectory}, **saved}
         saved["train.global_batch"] = saved_global_batch(saved)
         keys = sorted(set(saved) | set(self.trajectory))
         differ = [k for k in keys if saved.get(k) != self.trajectory.get(k)]

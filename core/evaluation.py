@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader
 
 from checkpointing.comm import any_rank, broadcast_object, gather_objects
 from checkpointing.rng import RNGState
+from core.data.loader import WorkerSeeder, derive_seed
 from core.engines.ddp import move_to_device
-from core.loader import WorkerSeeder, derive_seed
 
 logger = logging.getLogger(__name__)
 

@@ -24,13 +24,13 @@ from checkpointing.staging import SaveOutcome
 from core.callbacks import CallbackHandler, TrainerCallback, TrainerControl
 from core.checkpoint import RunCheckpointer
 from core.config import Config
+from core.data.loader import make_dataloader
+from core.data.sampler import ResumableDistributedSampler
+from core.data.stream import ENDLESS
 from core.engines.base import Engine
-from core.loader import make_dataloader
 from core.memory import StageMemory, speed_metrics, tiny_gpt_flops
 from core.models.tiny_gpt import TinyGPT
-from core.sampler import ResumableDistributedSampler
 from core.state import TrainState
-from core.stream import ENDLESS
 
 logger = logging.getLogger(__name__)
 

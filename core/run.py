@@ -16,27 +16,38 @@ from torch import nn
 from torch.utils.data import Subset
 
 from checkpointing.comm import control_group
+from checkpointing.hf_export import HFFiles
 from checkpointing.manager import CheckpointManager
 from checkpointing.storage import Storage, display_url, is_private_to_process, open_storage
 from core.callbacks import TrainerCallback
 from core.checkpoint import RunCheckpointer, fit_world_size, trajectory
-from core.columns import default_label_names, remove_unused_columns
-from core.config import Config, ConfigError, metric_greater_is_better
-from core.data import build_dataset, collate, dataset_fingerprint, sample_lengths
+from core.config import HF_PREFIX, Config, ConfigError, metric_greater_is_better
+from core.data import (
+    HFTokenizer,
+    build_dataset,
+    collate,
+    dataset_fingerprint,
+    load_tokenizer,
+    sample_lengths,
+)
+from core.data.build import main_process_first
+from core.data.columns import default_label_names, remove_unused_columns
+from core.data.sampler import ResumableDistributedSampler
+from core.data.stream import StreamPosition, is_stream
+from core.data.tokenizers import check_vocab
 from core.engines.base import Engine
 from core.engines.ddp import DDPEngine
 from core.evaluation import evaluate
 from core.loop import DistInfo, TrainLoop, plan_steps
 from core.losses import LabelSmoother, compute_loss
 from core.memory import StageMemory
-from core.models import build_model, call_model
+from core.models import build_model, call_model, embedding_rows
+from core.models.hf import HFSource, export_files, resolve_hf
 from core.optim import build_optimizer, parameter_groups
 from core.reporting import build_reporters
-from core.sampler import ResumableDistributedSampler
 from core.schedules import Schedule, build_schedule
 from core.seeding import enable_full_determinism, set_seed
 from core.state import TrainState
-from core.stream import StreamPosition, is_stream
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +115,15 @@ def _dataset_facts(dataset: Any) -> tuple[np.ndarray | None, str]:
     return None, f"{type(dataset).__qualname__}:{len(dataset)}"
 
 
-def _eval_split(config: Config, dataset: Any, eval_dataset: Any) -> tuple[Any, Any]:
+def _eval_split(
+    config: Config, dataset: Any, eval_dataset: Any, tokenizer: HFTokenizer | None, quiet: bool
+) -> tuple[Any, Any]:
     """(training data, evaluation data or None) as the eval section asks."""
     if eval_dataset is not None or config.eval.strategy == "no":
         return dataset, eval_dataset
     if config.eval.source != "holdout":
-        return dataset, build_dataset(dataclasses.replace(config.data, source=config.eval.source))
+        source = dataclasses.replace(config.data, source=config.eval.source)
+        return dataset, build_dataset(source, tokenizer, quiet)
     if is_stream(dataset):
         raise ConfigError(
             "eval.source: holdout needs a map-style training dataset; pass "
@@ -121,6 +135,28 @@ def _eval_split(config: Config, dataset: Any, eval_dataset: Any) -> tuple[Any, A
     if isinstance(dataset, datasets.Dataset):
         return dataset.select(range(n - held)), dataset.select(range(n - held, n))
     return Subset(dataset, range(n - held)), Subset(dataset, range(n - held, n))
+
+
+def _hf_files(model: nn.Module, tokenizer: HFTokenizer | None) -> HFFiles | None:
+    """What a checkpoint carries to export a transformers model: its config (and generation
+    config) and the tokenizer's files; None for other models."""
+    if not hasattr(model, "config") or not hasattr(model, "save_pretrained"):
+        return None
+    files = export_files(model)
+    if tokenizer is not None:
+        files.update(tokenizer.files())
+    return HFFiles(files)
+
+
+def _check_model_fit(config: Config, hf: HFSource, tokenizer: HFTokenizer | None) -> None:
+    """Before anything is tokenised: the tokenizer's ids and data.seq_len fit the model."""
+    check_vocab(tokenizer, hf.vocab_size, config.model.name)
+    limit = hf.max_positions
+    if limit is not None and config.data.seq_len > limit:
+        raise ConfigError(
+            f"data.seq_len: {config.data.seq_len} exceeds the {limit} positions of "
+            f"{config.model.name} (max_position_embeddings)"
+        )
 
 
 def _build_optimizer(
@@ -226,8 +262,21 @@ def build_trainer(
     # is sized by it.
     config = fit_world_size(config, manager.peek(cc.resume_from), dist_info.world_size)
 
-    dataset = parts.train_dataset if parts.train_dataset is not None else build_dataset(config.data)
-    dataset, eval_dataset = _eval_split(config, dataset, parts.eval_dataset)
+    # Cheap checks of the model and tokenizer first: a bad name fails before tokenising.
+    tokenizer = load_tokenizer(config.data)
+    hf = None
+    if config.model.name.startswith(HF_PREFIX) and parts.model is None and parts.model_init is None:
+        hf = resolve_hf(config.model)
+        _check_model_fit(config, hf, tokenizer)
+    quiet = not dist_info.is_main
+
+    def build_data() -> tuple[Any, Any]:
+        data = parts.train_dataset
+        if data is None:
+            data = build_dataset(config.data, tokenizer, quiet)
+        return _eval_split(config, data, parts.eval_dataset, tokenizer, quiet)
+
+    dataset, eval_dataset = main_process_first(build_data, dist_info.rank, dist_info.local_rank)
     lengths, data_fp = _dataset_facts(dataset)
     sampler = _make_sampler(config, dataset, lengths, dist_info)
     if isinstance(sampler, StreamPosition):
@@ -243,7 +292,10 @@ def build_trainer(
     elif parts.model is not None:
         model = parts.model
     else:
-        model = build_model(config.model)
+        model = build_model(config.model, hf)
+    if parts.train_dataset is None:  # ids from our tokenizer: they must fit the embedding
+        check_vocab(tokenizer, embedding_rows(model), config.model.name)
+    hf_files = _hf_files(model, tokenizer)
     model = model.to(device)
     label_names = config.data.label_names or default_label_names(model)
     dataset = remove_unused_columns(dataset, model, label_names, config.data.remove_unused_columns)
@@ -301,7 +353,14 @@ def build_trainer(
         engine,
         sampler,
         state,
-        trajectory(config, dist_info.world_size, data_fp, total_steps),
+        trajectory(
+            config,
+            dist_info.world_size,
+            data_fp,
+            total_steps,
+            tokenizer.fingerprint if tokenizer is not None else None,
+        ),
+        hf_files,
     )
     reporters: list[TrainerCallback] = []
     if dist_info.is_main:

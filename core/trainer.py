@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from checkpointing.comm import control_group
+from checkpointing.hf_export import write_hf_model
 from checkpointing.manager import CheckpointManager
 from checkpointing.serialize import load_state, write_safetensors
 from core.autobatch import SEARCH_STEPS, halved, is_oom, release_memory, with_batch
@@ -198,9 +199,11 @@ class Trainer:
 
     def save_model(self, output_dir: str | Path | None = None) -> Path | None:
         """Write the trained model's full weights (ZeRO shards gathered, fp32 master values
-        under DeepSpeed) to `<output_dir>/model.safetensors` (default: run.output_dir), as the
-        export command does from a checkpoint. A collective: call it on every rank; rank 0
-        writes and gets the path, the others None."""
+        under DeepSpeed) to `output_dir` (default: run.output_dir), as the export command does
+        from a checkpoint: for a transformers model a directory `from_pretrained` loads
+        (config.json, model.safetensors, tokenizer files; returns the directory), else
+        `<output_dir>/model.safetensors` (returns that file). A collective: call it on every
+        rank; rank 0 writes and gets the path, the others None."""
         if self.loop is None:
             raise RuntimeError("save_model: nothing trained yet; call train() first")
         tensors = self.loop.engine.full_state_dict()
@@ -208,6 +211,9 @@ class Trainer:
             return None
         out = Path(output_dir or self.args.run.output_dir)
         out.mkdir(parents=True, exist_ok=True)
+        checkpointer = self.loop.checkpointer
+        if checkpointer is not None and checkpointer.hf_files is not None:
+            return write_hf_model(out, tensors, checkpointer.hf_files.files)
         write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
         return out / "model.safetensors"
 

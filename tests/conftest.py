@@ -44,3 +44,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def hf_assets(tmp_path_factory):
+    """Tiny Llama / GPT-2 model directories, a trained BPE tokenizer, text and chat data."""
+    pytest.importorskip("transformers")
+    from tests.hf_assets import make_assets
+
+    return make_assets(tmp_path_factory.mktemp("hf_assets"))

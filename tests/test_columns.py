@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from core.columns import (
+from core.data.columns import (
     accepts_any_column,
     default_label_names,
     filter_batch_keys,
@@ -69,11 +69,11 @@ class _NoLabels(nn.Module):
 
 def test_unaccepted_columns_are_dropped_and_logged_once(caplog):
     ds = _dataset()
-    with caplog.at_level(logging.INFO, logger="core.columns"):
+    with caplog.at_level(logging.INFO, logger="core.data.columns"):
         out = remove_unused_columns(ds, _tiny(), None, enabled=True)
     assert out.column_names == ["input_ids", "labels"]
     assert ds.column_names == ["input_ids", "labels", "text", "idx"]  # the input is untouched
-    records = [r for r in caplog.records if r.name == "core.columns"]
+    records = [r for r in caplog.records if r.name == "core.data.columns"]
     assert len(records) == 1 and records[0].levelno == logging.INFO
     assert "not accepted by TinyGPT.forward and have been ignored: text, idx" in records[0].message
 
@@ -86,7 +86,7 @@ def test_disabled_keeps_every_column():
 def test_forward_with_kwargs_keeps_every_column(caplog):
     ds = _dataset()
     assert accepts_any_column(_Kwargs())
-    with caplog.at_level(logging.INFO, logger="core.columns"):
+    with caplog.at_level(logging.INFO, logger="core.data.columns"):
         assert remove_unused_columns(ds, _Kwargs(), None, enabled=True) is ds
     assert not caplog.records
 
@@ -101,7 +101,7 @@ def test_wrappers_are_unwrapped(wrap, caplog):
     model = wrap(_tiny())
     assert signature_columns(model) == ["input_ids", "labels", "label", "label_ids"]
     assert not accepts_any_column(model)  # the wrapper's own **kwargs does not count
-    with caplog.at_level(logging.INFO, logger="core.columns"):
+    with caplog.at_level(logging.INFO, logger="core.data.columns"):
         out = remove_unused_columns(_dataset(), model, None, enabled=True)
     assert out.column_names == ["input_ids", "labels"]
     assert "TinyGPT.forward" in caplog.text

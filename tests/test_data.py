@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from core import data
+from core.data import sources
 from core.config import DataConfig
 from core.data import DataError, build_dataset, collate, dataset_fingerprint, sample_lengths
 
@@ -73,7 +73,7 @@ def test_stdlib_walk_is_sorted_and_skips_tests_site_packages_and_unreadable(tmp_
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     (root / "latin1.py").write_bytes(b"# caf\xe9\n")  # not UTF-8: skipped
-    monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(root)})
+    monkeypatch.setattr(sources.sysconfig, "get_paths", lambda: {"stdlib": str(root)})
     ds = build_dataset(DataConfig(source="stdlib", max_bytes=0, packing=False, seq_len=64))
     assert rows(ds) == [b"# a module\n", b"# b module\n", b"# c module\n"]
 

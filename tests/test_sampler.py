@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.sampler import ResumableDistributedSampler
+from core.data.sampler import ResumableDistributedSampler
 
 
 def make(n=103, world=1, rank=0, batch=4, seed=0, **kw):

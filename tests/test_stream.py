@@ -11,7 +11,7 @@ from torch.utils.data import IterableDataset
 from checkpointing.serialize import load_state
 from core.config import ConfigError, DataConfig, load_config
 from core.data import build_dataset
-from core.stream import _Shard
+from core.data.stream import _Shard
 from core.trainer import Trainer
 from tests.checkpoints import assert_tensors_equal
 from tests.launch import SMALL, read_metrics

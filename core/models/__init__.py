@@ -1,4 +1,5 @@
-"""The model zoo: the built-in tiny GPT, or any user factory named `package.module:factory`.
+"""The model zoo: the built-in tiny GPT, Hugging Face causal LMs (`hf:`, core/models/hf.py), or
+any user factory named `package.module:factory`.
 
 Model contract: `model(**batch)` (when the batch is a mapping, else `model(batch)`) returns the
 loss as a scalar tensor, or a mapping / object holding it as `loss`.
@@ -13,12 +14,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.config import ConfigError, ModelConfig
+from core.config import HF_PREFIX, ConfigError, ModelConfig
+from core.models.hf import (
+    DTYPES,
+    HFSource,
+    build_hf_model,
+    enable_gradient_checkpointing,
+    resolve_hf,
+)
 from core.models.tiny_gpt import TinyGPT
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """Build the configured model on the CPU (the engine moves it to its device)."""
+def build_model(cfg: ModelConfig, hf: HFSource | None = None) -> nn.Module:
+    """Build the configured model on the CPU (the engine moves it to its device), in
+    model.dtype. `hf`: the checked source of an `hf:` model (resolved here when None)."""
+    if cfg.name.startswith(HF_PREFIX):
+        model = build_hf_model(hf or resolve_hf(cfg), cfg)
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        return model
     if cfg.name == "tiny-gpt":
         model: Any = TinyGPT(
             n_layer=cfg.n_layer,
@@ -40,7 +54,15 @@ def build_model(cfg: ModelConfig) -> nn.Module:
                 "model.gradient_checkpointing: the model has no gradient_checkpointing_enable()"
             )
         model.gradient_checkpointing_enable()
-    return model
+    # float32 leaves a model as its factory built it (a factory may mix dtypes on purpose).
+    return model if cfg.dtype == "float32" else model.to(DTYPES[cfg.dtype])
+
+
+def embedding_rows(model: nn.Module) -> int | None:
+    """Token ids the model's input embedding can look up (None when it does not say)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else getattr(model, "wte", None)
+    return embedding.num_embeddings if isinstance(embedding, nn.Embedding) else None
 
 
 def _load_factory(spec: str) -> Any:

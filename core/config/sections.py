@@ -1,5 +1,6 @@
 """The config sections: one dataclass each, a docstring under every field, checks that name the
-key. Parsing (YAML files, `--section.key` overrides) lives in core/config.py.
+key. Parsing (YAML files, `--section.key` overrides) lives in core/config/__init__.py; the
+model and data sections in core/config/inputs.py.
 
 Precedence is CLI > file > defaults. Unknown keys, wrong types and out-of-range values raise
 `ConfigError` with one line naming the key and what is accepted.
@@ -9,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
+from core.config.checks import _check, _one_of, _read_mapping
+from core.config.inputs import DataConfig, ModelConfig
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "adafactor")
 SCHEDULERS = (
@@ -26,36 +27,7 @@ SCHEDULERS = (
     "reduce_lr_on_plateau",
 )
 ENGINES = ("ddp", "deepspeed")
-DATA_FORMATS = ("auto", "text", "json", "parquet")
 REPORT_TO = ("jsonl", "tensorboard")
-
-
-class ConfigError(ValueError):
-    """A configuration a user wrote is invalid; the message is one line naming the key."""
-
-
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
-
-
-def _read_mapping(path: str, key: str) -> dict[str, Any]:
-    """A JSON or YAML file holding a mapping (JSON is YAML, so one parser reads both), or such
-    a mapping written inline (`--engine.deepspeed_config '{zero_optimization: {stage: 2}}'`)."""
-    inline = path.lstrip().startswith("{")
-    p = Path(path)
-    _check(inline or p.is_file(), key, f"no such file {path!r}")
-    try:
-        value = yaml.safe_load(path if inline else p.read_text())
-    except yaml.YAMLError as e:
-        why = e.__class__.__name__
-        raise ConfigError(f"{key}: {path} is not valid JSON or YAML ({why})") from e
-    _check(isinstance(value, dict), key, f"{path} must hold a mapping")
-    return value
-
-
-def _one_of(value: str, key: str, accepted: tuple[str, ...]) -> None:
-    _check(value in accepted, key, f"unknown value {value!r}; accepted: {', '.join(accepted)}")
 
 
 @dataclass
@@ -79,77 +51,6 @@ class RunConfig:
         _one_of(self.log_level, "run.log_level", ("debug", "info", "warning", "error"))
         for target in self.report_to:
             _one_of(target, "run.report_to", REPORT_TO)
-
-
-@dataclass
-class ModelConfig:
-    name: str = "tiny-gpt"
-    """'tiny-gpt' (built in) or 'package.module:factory' returning an nn.Module."""
-    n_layer: int = 2
-    """tiny-gpt: number of transformer blocks."""
-    n_head: int = 2
-    """tiny-gpt: attention heads per block."""
-    n_embd: int = 64
-    """tiny-gpt: embedding width (divisible by n_head)."""
-    block_size: int = 64
-    """tiny-gpt: maximum sequence length (positions)."""
-    dropout: float = 0.1
-    """tiny-gpt: dropout probability in attention and MLP."""
-    bias: bool = True
-    """tiny-gpt: use biases in Linear and LayerNorm layers."""
-    gradient_checkpointing: bool = False
-    """Recompute block activations in backward (tiny-gpt, or a model with the same hook)."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments passed to a user factory."""
-
-    def __post_init__(self) -> None:
-        _check(
-            self.name == "tiny-gpt" or ":" in self.name,
-            "model.name",
-            f"unknown model {self.name!r}; accepted: tiny-gpt or 'package.module:factory'",
-        )
-        for key in ("n_layer", "n_head", "n_embd", "block_size"):
-            _check(getattr(self, key) > 0, f"model.{key}", "must be > 0")
-        _check(
-            self.n_embd % self.n_head == 0,
-            "model.n_embd",
-            f"must be divisible by model.n_head ({self.n_head}), got {self.n_embd}",
-        )
-        _check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-
-
-@dataclass
-class DataConfig:
-    source: str = "stdlib"
-    """'stdlib' (the Python standard library's source, no download) or a file path or glob."""
-    format: str = "auto"
-    """File format: auto (from the extension), text, json (json/jsonl) or parquet."""
-    text_field: str = "text"
-    """Column holding the text in json/parquet files."""
-    seq_len: int = 64
-    """Tokens (bytes) per sample."""
-    packing: bool = True
-    """Concatenate all text and cut fixed seq_len blocks; false keeps one sample per record."""
-    max_bytes: int = 2_000_000
-    """stdlib source: bytes of the corpus to use (0 = all)."""
-    num_workers: int = 0
-    """DataLoader worker processes."""
-    drop_last: bool = True
-    """Drop the last incomplete batch of an epoch."""
-    group_by_length: bool = False
-    """Batch samples of similar length together (useful with packing: false)."""
-    remove_unused_columns: bool = True
-    """Drop dataset columns the model's forward does not accept (logged once)."""
-    label_names: list[str] | None = None
-    """Batch keys that hold labels (default: labels, when the model accepts it)."""
-
-    def __post_init__(self) -> None:
-        _one_of(self.format, "data.format", DATA_FORMATS)
-        _check(self.seq_len > 1, "data.seq_len", f"must be > 1, got {self.seq_len}")
-        _check(self.max_bytes >= 0, "data.max_bytes", "must be >= 0")
-        _check(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
-        if self.source != "stdlib" and not any(ch in self.source for ch in "*?["):
-            _check(Path(self.source).exists(), "data.source", f"no such file {self.source!r}")
 
 
 @dataclass

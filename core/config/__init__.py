@@ -1,5 +1,5 @@
-"""Typed run configuration: the sections of core/config_sections.py, loaded from YAML and
-overridden by `--section.key VALUE` flags.
+"""Typed run configuration: the sections of core/config/sections.py and inputs.py, loaded from
+YAML and overridden by `--section.key VALUE` flags.
 
 Precedence is CLI > file > defaults. Unknown keys, wrong types and out-of-range values raise
 `ConfigError` with one line naming the key and what is accepted.
@@ -16,23 +16,20 @@ from typing import Any
 import yaml
 
 from checkpointing.storage import display_url, redact_options
-from core.config_sections import (
-    DATA_FORMATS,
+from core.config.checks import ConfigError, _check
+from core.config.inputs import DATA_FORMATS, HF_PREFIX, DataConfig, ModelConfig
+from core.config.sections import (
     ENGINES,
     OPTIMIZERS,
     SCHEDULERS,
     CheckpointConfig,
     Config,
-    ConfigError,
-    DataConfig,
     EngineConfig,
     EvalConfig,
-    ModelConfig,
     OptimConfig,
     RunConfig,
     SchedulerConfig,
     TrainConfig,
-    _check,
     metric_greater_is_better,
 )
 
@@ -40,6 +37,7 @@ __all__ = [
     "DATA_FORMATS",
     "DEFAULT_CONFIG",
     "ENGINES",
+    "HF_PREFIX",
     "OPTIMIZERS",
     "SCHEDULERS",
     "SECTIONS",
@@ -62,7 +60,7 @@ __all__ = [
 ]
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from core.sampler import ResumableDistributedSampler
-from core.stream import StreamPosition
+from core.data.sampler import ResumableDistributedSampler
+from core.data.stream import StreamPosition
 
 
 def derive_seed(*parts: int) -> int:
