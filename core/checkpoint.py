@@ -47,7 +47,7 @@ NEUTRAL_SECTIONS = {"checkpoint"}
 # Fields added after checkpoints were first written, with the value every run had before them:
 # an older checkpoint without them resumes as if it recorded these.
 ADDED_FIELDS = {
-    "model.pretrained": False,
+    "model.pretrained": None,
     "model.dtype": "float32",
     "model.attn_implementation": None,
     "model.trust_remote_code": False,

@@ -46,6 +46,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def hub_offline():
+    """Nothing downloads: the Hugging Face Hub client is offline for every in-process test
+    (subprocesses get HF_HUB_OFFLINE=1 from tests/launch.py:child_env)."""
+    try:
+        import huggingface_hub.constants as hub
+    except ImportError:
+        yield
+        return
+    before, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, True
+    yield
+    hub.HF_HUB_OFFLINE = before
+
+
+@pytest.fixture
+def sync_hf_loading(monkeypatch):
+    """transformers loads weights on a thread pool it shuts down without waiting: its threads
+    may outlive a test by a moment, which the leak check would report."""
+    monkeypatch.setenv("HF_DEACTIVATE_ASYNC_LOAD", "1")
+
+
 @pytest.fixture(scope="session")
 def hf_assets(tmp_path_factory):
     """Tiny Llama / GPT-2 model directories, a trained BPE tokenizer, text and chat data."""

@@ -59,6 +59,7 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {**os.environ, **(extra or {})}
     env["PYTHONPATH"] = str(REPO)
     env["OMP_NUM_THREADS"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"  # nothing downloads
     env.pop("PYTEST_CURRENT_TEST", None)
     return env
 

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def hf_cache(tmp_path, monkeypatch):
+def hf_cache(tmp_path, monkeypatch, sync_hf_loading):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
 
 
@@ -115,7 +115,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(hf_assets):
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
 
 
-def test_model_errors_name_the_key(hf_assets, tmp_path, monkeypatch):
+def test_model_errors_name_the_key(hf_assets, tmp_path):
     def refused(name: str, **kw) -> str:
         with pytest.raises(ConfigError) as e:
             resolve_hf(ModelConfig(name=name, **kw))
@@ -136,8 +136,7 @@ def test_model_errors_name_the_key(hf_assets, tmp_path, monkeypatch):
         json.dumps({"model_type": "my-own", "auto_map": {"AutoConfig": "conf.MyConfig"}})
     )
     assert refused(f"hf:{custom}").startswith("model.trust_remote_code:")
-    # A hub id that is neither here nor reachable (offline: nothing is downloaded).
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # A hub id that is neither here nor reachable (the tests run offline: nothing downloads).
     assert refused("hf:nobody-here/no-such-model").startswith("model.name: cannot load")
 
 

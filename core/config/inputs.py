@@ -46,8 +46,17 @@ class ModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to a user factory."""
 
+    @property
+    def loads_weights(self) -> bool:
+        """model.pretrained, with its default (true for hf: models) applied."""
+        return self.pretrained if self.pretrained is not None else self.is_hf
+
+    @property
+    def is_hf(self) -> bool:
+        return self.name.startswith(HF_PREFIX)
+
     def __post_init__(self) -> None:
-        hf = self.name.startswith(HF_PREFIX)
+        hf = self.is_hf
         _check(
             self.name == "tiny-gpt" or ":" in self.name,
             "model.name",
@@ -55,8 +64,6 @@ class ModelConfig:
             "'package.module:factory'",
         )
         _check(not hf or len(self.name) > len(HF_PREFIX), "model.name", "hf: needs a directory")
-        if self.pretrained is None:
-            self.pretrained = hf
         for key in ("pretrained", "trust_remote_code", "attn_implementation"):
             value = getattr(self, key)
             _check(

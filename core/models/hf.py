@@ -75,7 +75,7 @@ def _check_local(where: Path, cfg: ModelConfig) -> None:
             f"{sorted(values['auto_map'])} in config.json) to build {model_type!r}; set "
             "model.trust_remote_code true only if you trust that code"
         )
-    if not cfg.pretrained:
+    if not cfg.loads_weights:
         return
     if any((where / name).is_file() for name in SAFETENSORS):
         return
@@ -135,7 +135,7 @@ def build_hf_model(source: HFSource, cfg: ModelConfig) -> nn.Module:
     if cfg.attn_implementation is not None:
         kwargs["attn_implementation"] = cfg.attn_implementation
     try:
-        if cfg.pretrained:
+        if cfg.loads_weights:
             model = AutoModelForCausalLM.from_pretrained(
                 source.location.where, config=source.config, use_safetensors=True, **kwargs
             )

@@ -1,0 +1,277 @@
+"""Hugging Face models and tokenizers under torchrun (2 processes, gloo), from the ready configs
+configs/hf-pretrain.yaml and configs/sft-chat.yaml with a tiny local Llama and tokenizer: random
+SIGKILLs (some mid-save), relaunched with the same command until done, end bit-identical to the
+uninterrupted run (every logged loss, model and optimizer with torch.equal); DeepSpeed ZeRO 1-3
+resume exactly, and a ZeRO-3 checkpoint exports (--hf) a model whose logits equal the live one's.
+Tokenising runs on the first rank only; the others read its cache."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from checkpointing.manifest import list_checkpoints, verify
+from tests.checkpoints import assert_same_checkpoint, assert_same_losses, seed_resume_dir
+from tests.conftest import free_port
+from tests.launch import (
+    REPO,
+    kill_tree,
+    launcher_cmd,
+    logged_steps,
+    run,
+    saving,
+    start,
+    wait_for,
+)
+
+pytest.importorskip("transformers")
+
+PRETRAIN = str(REPO / "configs" / "hf-pretrain.yaml")
+SFT = str(REPO / "configs" / "sft-chat.yaml")
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> dict[str, str]:
+    """datasets' cache for every run of this module (as on one machine): a temp dir."""
+    return {"HF_DATASETS_CACHE": str(tmp_path_factory.mktemp("hf_datasets_cache"))}
+
+
+def pretrain_args(assets) -> tuple[str, ...]:
+    """configs/hf-pretrain.yaml at test size: the tiny local Llama and tokenizer."""
+    return (
+        "--config",
+        PRETRAIN,
+        "--model.name",
+        f"hf:{assets.llama}",
+        "--data.tokenizer",
+        f"hf:{assets.tokenizer}",
+        "--data.source",
+        str(assets.text),
+        "--data.num_proc",
+        "2",
+        "--data.seq_len",
+        "32",
+        "--train.per_device_batch_size",
+        "4",
+        "--train.gradient_accumulation_steps",
+        "1",
+        "--train.max_steps",
+        str(STEPS),
+        "--train.logging_steps",
+        "1",
+        "--checkpoint.save_steps",
+        "3",
+    )
+
+
+def sft_args(assets) -> tuple[str, ...]:
+    """configs/sft-chat.yaml at test size: 3 epochs of 118 conversations, accumulation 4."""
+    return (
+        "--config",
+        SFT,
+        "--model.name",
+        f"hf:{assets.llama}",
+        "--data.tokenizer",
+        f"hf:{assets.tokenizer}",
+        "--data.source",
+        str(assets.chat),
+        "--data.num_proc",
+        "1",
+        "--data.seq_len",
+        "96",
+        "--train.per_device_batch_size",
+        "2",
+        "--train.logging_steps",
+        "1",
+        "--checkpoint.save_steps",
+        "3",
+    )
+
+
+def launch(run_dir: Path, args: tuple[str, ...], env: dict[str, str]) -> str:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    result = run(
+        launcher_cmd(2, ["--run.output_dir", str(run_dir), *args]), run_dir.parent, env=env
+    )
+    assert result.returncode == 0, result.output
+    return result.output
+
+
+def last_checkpoint(run_dir: Path) -> Path:
+    (_, name), *_ = list_checkpoints(run_dir)  # the newest
+    return run_dir / name
+
+
+def kill_and_finish(run_dir: Path, args: tuple[str, ...], env: dict, plans: list[str], seed: int):
+    """Kill the run at each plan's moment (torchrun and every worker), then run it to the end."""
+    rng = random.Random(seed)
+    hits = 0
+    for plan in plans:
+        proc = start(run_dir, 2, *args, env=env)
+        if plan == "save":
+            hit = wait_for(lambda: saving(run_dir), proc, timeout=180)
+            time.sleep(rng.uniform(0, 0.03))
+        else:
+            target = logged_steps(run_dir) + rng.randint(2, 5)
+            hit = wait_for(lambda t=target: logged_steps(run_dir) >= t, proc, timeout=180)
+            time.sleep(rng.uniform(0, 0.05))
+        kill_tree(proc)
+        hits += hit
+        for _, name in list_checkpoints(run_dir):
+            verify(run_dir / name)  # a checkpoint-<step> that exists is always complete
+    assert hits >= len(plans) - 1, "the run ended before the kills: the test tested nothing"
+    return launch(run_dir, args, env)
+
+
+@pytest.fixture(scope="module")
+def pretrain_ref(hf_assets, cache, tmp_path_factory) -> Path:
+    ref = tmp_path_factory.mktemp("pretrain") / "ref"
+    output = launch(ref, pretrain_args(hf_assets), cache)
+    assert "LlamaForCausalLM" in output and "token vocabulary" in output
+    return ref
+
+
+def test_hf_pretrain_config_trains_and_resumes_bit_identically_after_sigkills(
+    hf_assets, cache, pretrain_ref, tmp_path
+):
+    run_dir = tmp_path / "run"
+    kill_and_finish(run_dir, pretrain_args(hf_assets), cache, ["save", "step", "save"], seed=19)
+    assert_same_losses(pretrain_ref, run_dir)
+    assert_same_checkpoint(last_checkpoint(pretrain_ref), last_checkpoint(run_dir))
+
+
+def test_sft_chat_config_with_accumulation_resumes_bit_identically_after_sigkills(
+    hf_assets, cache, tmp_path
+):
+    args = sft_args(hf_assets)
+    ref = tmp_path / "ref"
+    output = launch(ref, args, cache)
+    assert "train_on assistant" in output
+    run_dir = tmp_path / "run"
+    kill_and_finish(run_dir, args, cache, ["step", "save"], seed=20)
+    assert_same_losses(ref, run_dir)
+    assert_same_checkpoint(last_checkpoint(ref), last_checkpoint(run_dir))
+
+
+# -- DeepSpeed ----------------------------------------------------------------------------------
+
+
+def ds_args(assets, stage: int) -> tuple[str, ...]:
+    return (
+        *pretrain_args(assets),
+        "--train.max_steps",
+        "12",
+        "--train.gradient_accumulation_steps",
+        "2",
+        "--train.bf16",
+        "false",  # exports hold the fp32 master weights: compare like with like
+        "--checkpoint.save_steps",
+        "4",
+        "--engine.name",
+        "deepspeed",
+        "--engine.deepspeed_config",
+        str(REPO / "configs" / "deepspeed" / f"zero{stage}.json"),
+    )
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_zero_1_2_resume_exactly(hf_assets, cache, tmp_path, stage):
+    pytest.importorskip("deepspeed")
+    args = ds_args(hf_assets, stage)
+    ref = tmp_path / "ref"
+    launch(ref, args, cache)
+    run_dir = tmp_path / "run"
+    seed_resume_dir(ref, run_dir, 8)
+    assert f"resumed from {run_dir / 'checkpoint-8'}" in launch(run_dir, args, cache)
+    assert_same_losses(ref, run_dir)
+
+
+def test_deepspeed_zero3_resumes_after_sigkill_and_exports_the_live_model(
+    hf_assets, cache, tmp_path
+):
+    pytest.importorskip("deepspeed")
+    from transformers import AutoModelForCausalLM
+
+    args = ds_args(hf_assets, 3)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    cmd = launcher_cmd(2, ["--run.output_dir", str(ref), *args])
+    cmd[cmd.index("launcher")] = "tests.ds_worker"  # trains as the launcher does, then save_model
+    cmd.insert(cmd.index("tests.ds_worker") + 1, str(tmp_path / "live"))
+    result = run(cmd, tmp_path, env=cache)
+    assert result.returncode == 0, result.output
+    run_dir = tmp_path / "run"
+    kill_and_finish(run_dir, args, cache, ["step"], seed=3)
+    assert_same_losses(ref, run_dir)
+    exported = tmp_path / "export"
+    export = [sys.executable, "-m", "checkpointing", "export", str(run_dir / "checkpoint-12")]
+    result = run([*export, str(exported), "--hf"], tmp_path, timeout=180)
+    assert result.returncode == 0, result.output
+    ids = torch.arange(5, 37).reshape(2, 16)
+    out = []
+    for path in (exported, tmp_path / "live"):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        with torch.no_grad():
+            out.append(model(input_ids=ids).logits)
+    assert torch.equal(*out)
+
+
+# -- tokenising once ------------------------------------------------------------------------
+
+
+def _build_worker(rank: int, port: int, cache_dir: str, assets, fail_rank0: bool, results) -> None:
+    import datasets
+    import torch.distributed as dist
+
+    from core.config import DataConfig
+    from core.data import DataError, build_dataset
+    from core.data.build import main_process_first
+    from core.data.tokenizers import HFTokenizer
+
+    datasets.config.HF_DATASETS_CACHE = Path(cache_dir)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        cfg = DataConfig(source=str(assets.text), tokenizer=f"hf:{assets.tokenizer}", seq_len=32)
+        if rank == 1:
+
+            def refuse(*args, **kwargs):
+                raise AssertionError("rank 1 tokenised instead of reading rank 0's cache")
+
+            HFTokenizer.encode = refuse  # this process only
+        if fail_rank0 and rank == 0:
+            cfg = DataConfig(source=str(assets.text), tokenizer="hf:/no/such/tokenizer")
+        try:
+            ds = main_process_first(lambda: build_dataset(cfg), rank, rank)
+            results[rank] = len(ds)
+        except DataError as e:
+            results[rank] = f"DataError: {e}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fail_rank0", [False, True], ids=["builds", "fails"])
+def test_the_first_rank_tokenises_and_the_others_read_its_cache(hf_assets, tmp_path, fail_rank0):
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(
+            _build_worker,
+            args=(free_port(), str(tmp_path / "cache"), hf_assets, fail_rank0, results),
+            nprocs=2,
+            start_method="spawn",
+        )  # joins both
+        got = dict(results)
+    if fail_rank0:
+        assert got[0].startswith("DataError: data.tokenizer: no such directory")
+        assert (
+            got[1] == "DataError: data: building the datasets failed on another rank (see its log)"
+        )
+    else:
+        assert got[0] == got[1] > 100
