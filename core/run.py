@@ -267,7 +267,8 @@ def build_trainer(
     hf = None
     if config.model.name.startswith(HF_PREFIX) and parts.model is None and parts.model_init is None:
         hf = resolve_hf(config.model)
-        _check_model_fit(config, hf, tokenizer)
+        if parts.train_dataset is None:
+            _check_model_fit(config, hf, tokenizer)
     quiet = not dist_info.is_main
 
     def build_data() -> tuple[Any, Any]:
@@ -293,7 +294,8 @@ def build_trainer(
         model = parts.model
     else:
         model = build_model(config.model, hf)
-    if parts.train_dataset is None:  # ids from our tokenizer: they must fit the embedding
+    if parts.train_dataset is None and tokenizer is not None:
+        # Ids from a Hugging Face tokenizer must fit the embedding (a factory's model too).
         check_vocab(tokenizer, embedding_rows(model), config.model.name)
     hf_files = _hf_files(model, tokenizer)
     model = model.to(device)

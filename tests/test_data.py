@@ -15,9 +15,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from core.data import sources
 from core.config import DataConfig
-from core.data import DataError, build_dataset, collate, dataset_fingerprint, sample_lengths
+from core.data import (
+    DataError,
+    build_dataset,
+    collate,
+    dataset_fingerprint,
+    sample_lengths,
+    sources,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
