@@ -1,6 +1,7 @@
-"""Bad Hugging Face input through `python -m launcher`: each exits 2 with one error line naming
-the key, no traceback, and nothing written to the output directory. The launches of this module
-run at once (a module fixture), each test reads its own."""
+"""Hugging Face input through `python -m launcher`: each kind of bad input exits 2 with one error
+line naming the key, no traceback, and nothing written to the output directory; a hub id
+resolves from the hub's local cache with HF_HUB_OFFLINE=1 (nothing downloads). The launches of
+this module run at once (a module fixture), each test reads its own."""
 
 from __future__ import annotations
 
@@ -11,7 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, child_env, kill_tree, launcher_cmd
+from tests.launch import child_env, kill_tree, launcher_cmd
+
+SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache(assets, root: Path) -> Path:
+    """A Hugging Face Hub cache holding the tiny Llama as `tiny-org/tiny-llama` (its layout:
+    refs/main names a snapshot directory holding the files)."""
+    repo = root / "hub" / "models--tiny-org--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(SNAPSHOT)
+    shutil.copytree(assets.llama, repo / "snapshots" / SNAPSHOT)
+    return root / "hub"
+
 
 pytest.importorskip("transformers")
 
@@ -52,6 +66,7 @@ def _cases(assets, root: Path) -> dict[str, tuple[list[str], str]]:
             [*chat, str(assets.chat), "--data.tokenizer", f"hf:{plain}"],
             "data.chat_template:",
         ),
+        "hub_id": (["--data.tokenizer", "hf:tiny-org/tiny-llama", "--train.max_steps", "2"], ""),
     }, {
         "missing_dir": root / "missing",
         "no_config": no_config,
@@ -60,6 +75,7 @@ def _cases(assets, root: Path) -> dict[str, tuple[list[str], str]]:
         "vocab": small,
         "no_assistant": assets.llama,
         "no_template": assets.llama,
+        "hub_id": "tiny-org/tiny-llama",
     }
 
 
@@ -83,7 +99,13 @@ def outcomes(hf_assets, tmp_path_factory) -> dict[str, tuple[int, str, Path, str
             str(hf_assets.text),
             *overrides,
         ]
-        env = child_env({"HF_DATASETS_CACHE": str(root / "cache"), "HF_HUB_OFFLINE": "1"})
+        env = child_env(
+            {
+                "HF_DATASETS_CACHE": str(root / "cache"),
+                "HF_HUB_OFFLINE": "1",
+                "HF_HUB_CACHE": str(hub_cache(hf_assets, root / name)),
+            }
+        )
         procs[name] = (
             subprocess.Popen(
                 launcher_cmd(None, args),
@@ -149,5 +171,7 @@ def test_tokenizer_without_a_chat_template(outcomes):
     check(outcomes["no_template"])
 
 
-def test_the_launches_ran_from_the_repository_code():
-    assert (REPO / "launcher" / "__main__.py").is_file()
+def test_a_hub_id_trains_from_the_hub_cache_offline(outcomes):
+    code, text, run_dir, _ = outcomes["hub_id"]
+    assert code == 0, text
+    assert "LlamaForCausalLM" in text and (run_dir / "checkpoint-2" / "hf.json").is_file()
