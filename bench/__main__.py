@@ -50,6 +50,18 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
         ["--steps", "12", "--reps", "1", "--resume-at", "5"],
         ["vs_trainer", "vs_accelerate", "resume_vs_trainer"],
     ),
+    "vs_trainer_hf": (
+        "peers_hf.py",
+        [],
+        ["--steps", "12", "--reps", "1", "--train-mb", "1", "--max-bytes", "200000"],
+        ["vs_trainer_hf"],
+    ),
+    "tokenize_throughput": (
+        "tokenize_throughput.py",
+        [],
+        ["--mb", "1", "--train-mb", "1", "--reps", "1"],
+        ["tokenize_throughput"],
+    ),
     "checkpoint_save": (
         "checkpoint_save.py",
         [],

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,9 +146,11 @@ def child_env(threads: int) -> dict[str, str]:
 
 
 def run_side(
-    side: str, steps: int, threads: int, nproc: int = 1
+    side: str, steps: int, threads: int, nproc: int = 1, extra: Sequence[str] = ()
 ) -> tuple[list[float], list[float]]:
-    """One fresh process (group) of `side` ("ours" or "raw"): (loss per step, seconds per step)."""
+    """One fresh process (group) of `side` ("ours" or "raw"): (loss per step, seconds per step).
+
+    `extra`: more launcher flags for ours (`--section.key value`, after the config's)."""
     python = [sys.executable]
     if nproc > 1:
         torchrun = str(Path(sys.executable).parent / "torchrun")
@@ -157,7 +160,7 @@ def run_side(
             cmd = [*python, "-m", "launcher", "--config", CONFIG]
             cmd += ["--train.max_steps", str(steps), "--train.logging_steps", "1"]
             cmd += ["--train.progress_bar", "never"]
-            cmd += ["--run.output_dir", str(Path(tmp, "run"))]
+            cmd += ["--run.output_dir", str(Path(tmp, "run")), *extra]
             out = Path(tmp, "run", "metrics.jsonl")
         else:
             out = Path(tmp, "raw.json")

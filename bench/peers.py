@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,8 +43,9 @@ from bench.loop_overhead import CONFIG, child_env, run_side, steady_rates  # noq
 WARMUP = 0.1
 
 
-def _build(total_steps: int):
-    """Model, dataset, optimizer and LambdaLR of the tiny config, after its seeding."""
+def _build(total_steps: int, overrides: Sequence[str] = ()):
+    """Model, dataset, optimizer and LambdaLR of the tiny config (with launcher-style
+    `overrides`, `--section.key value`), after its seeding."""
     import torch
 
     from core.config import load_config
@@ -53,7 +55,7 @@ def _build(total_steps: int):
     from core.schedules import build_schedule
     from core.seeding import set_seed
 
-    cfg = load_config(REPO / CONFIG)
+    cfg = load_config(REPO / CONFIG, list(overrides))
     set_seed(cfg.run.seed)
     dataset = build_dataset(cfg.data)
     model = build_model(cfg.model)
@@ -63,14 +65,27 @@ def _build(total_steps: int):
     return cfg, model, dataset, optimizer, schedule.scheduler
 
 
-def trainer_side(total: int, out: Path, work: Path, stop_at: int | None, resume: bool) -> None:
-    """The Hugging Face Trainer on the same parts; writes {"step_time_s", "losses"} to out."""
+def trainer_side(
+    total: int,
+    out: Path,
+    work: Path,
+    stop_at: int | None,
+    resume: bool,
+    overrides: Sequence[str] = (),
+    same_order: bool = False,
+) -> None:
+    """The Hugging Face Trainer on the same parts; writes {"step_time_s", "losses"} to out.
+
+    `same_order`: the Trainer takes its samples in the launcher's order (its sampler's first
+    epoch) rather than its own RandomSampler's, so that the first losses can be compared."""
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from core.data import collate
+    from core.data.sampler import ResumableDistributedSampler
 
-    cfg, model, dataset, optimizer, scheduler = _build(total)
+    cfg, model, dataset, optimizer, scheduler = _build(total, overrides)
+    bs = cfg.train.per_device_batch_size
 
     class Timer(TrainerCallback):
         def __init__(self) -> None:
@@ -99,12 +114,18 @@ def trainer_side(total: int, out: Path, work: Path, stop_at: int | None, resume:
             os.makedirs(output_dir, exist_ok=True)
             save_model(self.model, os.path.join(output_dir, "model.safetensors"), {"format": "pt"})
 
+        def _get_train_sampler(self, train_dataset=None):
+            if not same_order:
+                return super()._get_train_sampler(train_dataset)
+            ours = ResumableDistributedSampler(len(dataset), 1, 0, bs, cfg.run.seed)
+            return ours.epoch_order().tolist()
+
     # Read on load when keys are missing (the tied head, written once); the tie itself holds.
     model._keys_to_ignore_on_save = None
     timer = Timer()
     args = TrainingArguments(
         output_dir=str(work),
-        per_device_train_batch_size=cfg.train.per_device_batch_size,
+        per_device_train_batch_size=bs,
         max_steps=total,
         max_grad_norm=cfg.train.max_grad_norm,
         logging_steps=1,
@@ -132,7 +153,7 @@ def trainer_side(total: int, out: Path, work: Path, stop_at: int | None, resume:
     out.write_text(json.dumps({"step_time_s": timer.times, "losses": losses}))
 
 
-def accelerate_side(total: int, out: Path) -> None:
+def accelerate_side(total: int, out: Path, overrides: Sequence[str] = ()) -> None:
     """A plain accelerate loop on the same parts; writes {"step_time_s", "losses"} to out."""
     import torch
     from accelerate import Accelerator
@@ -140,7 +161,7 @@ def accelerate_side(total: int, out: Path) -> None:
 
     from core.data import collate
 
-    cfg, model, dataset, optimizer, scheduler = _build(total)
+    cfg, model, dataset, optimizer, scheduler = _build(total, overrides)
     g = torch.Generator()
     g.manual_seed(cfg.run.seed)
     loader = DataLoader(
@@ -189,15 +210,22 @@ def _worker(side: str, total: int, out: Path, work: Path, *extra: str) -> list[s
     ]
 
 
-def peer_run(side: str, steps: int, threads: int) -> list[float]:
-    """Seconds per step of one fresh run of a peer."""
+def peer_run(
+    side: str, steps: int, threads: int, overrides: Sequence[str] = (), same_order: bool = False
+) -> tuple[list[float], list[float]]:
+    """(loss per step, seconds per step) of one fresh run of a peer; `overrides` and
+    `same_order` as for trainer_side (the accelerate loop takes no `same_order`)."""
     with tempfile.TemporaryDirectory(prefix=f"peers_{side}_") as tmp:
         out = Path(tmp, "out.json")
-        cmd = _worker(side, steps, out, Path(tmp, "work"))
+        extra = ["--overrides", json.dumps(list(overrides))]
+        cmd = _worker(side, steps, out, Path(tmp, "work"), *extra)
+        if same_order:
+            cmd.append("--same-order")
         proc = subprocess.run(cmd, cwd=REPO, env=child_env(threads), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{side} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())["step_time_s"]
+        data = json.loads(out.read_text())
+        return data["losses"], data["step_time_s"]
 
 
 def throughput(steps: int, reps: int, threads: int) -> None:
@@ -208,7 +236,7 @@ def throughput(steps: int, reps: int, threads: int) -> None:
             if side == "ours":
                 times = run_side("ours", steps, threads)[1]
             else:
-                times = peer_run(side, steps, threads)
+                times = peer_run(side, steps, threads)[1]
             rates[side].append(steady_rates(times, WARMUP)[0])
             detail("peers_run", side=side, rep=rep, steps_per_s=rates[side][-1])
     ours = statistics.median(rates["ours"])
@@ -334,12 +362,22 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--overrides", type=json.loads, default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--same-order", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "trainer":
-        trainer_side(args.steps, args.out, args.work, args.stop_at, args.resume)
+        trainer_side(
+            args.steps,
+            args.out,
+            args.work,
+            args.stop_at,
+            args.resume,
+            args.overrides,
+            args.same_order,
+        )
         return
     if args.worker == "accelerate":
-        accelerate_side(args.steps, args.out)
+        accelerate_side(args.steps, args.out, args.overrides)
         return
     missing = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
