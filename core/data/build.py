@@ -217,7 +217,9 @@ def _chat(cfg: DataConfig, tokenizer: HFTokenizer, quiet: bool) -> tuple[dataset
         return _pack(ds, cfg.seq_len), what
     kept = (
         ds.with_format("arrow")
-        .map(used_rows, batched=True, new_fingerprint=_step("used", ds))
+        .map(
+            used_rows, batched=True, new_fingerprint=_step("used", ds), desc="dropping skipped rows"
+        )
         .with_format(None)
     )
     return kept, what
@@ -239,6 +241,7 @@ def _pack(ds: datasets.Dataset, seq_len: int) -> datasets.Dataset:
             fn_kwargs={"seq_len": seq_len},
             features=datasets.Features(features),
             new_fingerprint=_step("pack", ds, seq_len),
+            desc=f"packing {seq_len}-token blocks",
             remove_columns=[c for c in ds.column_names if c not in features],
         )
         .with_format(None)
