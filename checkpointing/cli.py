@@ -69,7 +69,9 @@ def cmd_verify(where: Storage) -> int:
     return 0
 
 
-def cmd_export(where: Storage, out: Path, hf: bool = False, max_shard_size: str = "") -> int:
+def cmd_export(
+    where: Storage, out: Path, hf: bool = False, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
+) -> int:
     """Model weights only, every parameter and buffer under its own name (tied weights
     written under each name), for inference. A DeepSpeed checkpoint's ZeRO shards are
     consolidated into full fp32 weights first. With `hf`, a Hugging Face model directory
@@ -94,7 +96,7 @@ def cmd_export(where: Storage, out: Path, hf: bool = False, max_shard_size: str 
             files = HFFiles({})
             files.load_state_dict(load_state(where, HF_ENTRY, manifest.files))
             tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-            write_hf_model(out, tensors, files.files, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+            write_hf_model(out, tensors, files.files, max_shard_size)
             size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
             print(f"exported a Hugging Face model directory to {out} ({size / 1e6:.1f} MB)")
             return 0
@@ -113,6 +115,19 @@ def cmd_export(where: Storage, out: Path, hf: bool = False, max_shard_size: str 
     digest = write_safetensors(out, tensors, {"format": "pt"})
     print(f"exported {len(tensors)} tensors to {out} ({digest.size / 1e6:.1f} MB)")
     return 0
+
+
+def _shard_size(value: str) -> str | int:
+    """--max-shard-size as transformers reads it (5GB, 500MB, or a number of bytes)."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    size: str | int = int(value) if value.isdigit() else value
+    try:
+        if convert_file_size_to_int(size) <= 0:
+            raise ValueError("not positive")
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"{value!r}: a size such as 5GB or 500MB ({e})") from e
+    return size
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-shard-size",
         default=DEFAULT_MAX_SHARD_SIZE,
+        type=_shard_size,
         help=f"with --hf: the largest weights file (default {DEFAULT_MAX_SHARD_SIZE})",
     )
     for p in sub.choices.values():

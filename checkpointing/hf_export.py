@@ -48,11 +48,28 @@ class HFFiles:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         files = state.get("files")
         if not isinstance(files, dict):
-            raise ValueError("the hf entry holds no files mapping")
+            raise CheckpointError("the hf entry holds no files mapping")
+        for name in files:
+            _check_name(name)
         self.files = {
             name: v.encode("utf-8") if isinstance(v, str) else v.numpy().tobytes()
             for name, v in files.items()
         }
+
+
+def _check_name(name: str) -> None:
+    """A file name inside the model directory: relative, no `..` (the names come from a
+    checkpoint, which an export must not let write elsewhere)."""
+    parts = Path(name).parts
+    if not name or Path(name).is_absolute() or ".." in parts or "\\" in name:
+        raise CheckpointError(f"the hf entry names a file outside the model directory: {name!r}")
+
+
+def _write(root: Path, name: str, data: bytes) -> None:
+    _check_name(name)
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)  # additional_chat_templates/<name>.jinja
+    path.write_bytes(data)
 
 
 def _dtype(config: Any) -> torch.dtype:
@@ -80,7 +97,7 @@ def write_hf_model(
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="hf-export-") as tmp:
         for name, data in files.items():
-            (Path(tmp) / name).write_bytes(data)
+            _write(Path(tmp), name, data)
         try:
             config = AutoConfig.from_pretrained(tmp, trust_remote_code=False)
         except ValueError as e:  # auto_map: the model's own code would have to run
@@ -108,5 +125,5 @@ def write_hf_model(
         if any(name in files for name in TOKENIZER_FILES):
             for name, data in files.items():
                 if name not in ("config.json", "generation_config.json"):
-                    (out / name).write_bytes(data)
+                    _write(out, name, data)
     return out

@@ -159,8 +159,10 @@ class Restorer:
     def load(self, where: Storage, manifest: Manifest, entries: dict[str, Entry]) -> None:
         """Restore every entry from a verified checkpoint, in the mapping's order."""
         missing = sorted(set(entries) - set(manifest.entries))
-        if missing:
-            raise CheckpointError(f"{where.display()}: holds no state for {', '.join(missing)}")
+        required = [n for n in missing if not entries[n].optional]
+        if required:
+            raise CheckpointError(f"{where.display()}: holds no state for {', '.join(required)}")
+        entries = {n: e for n, e in entries.items() if n not in missing}
         if manifest.world_size != self.world_size:
             bound = sorted(n for n, e in entries.items() if e.kind != "global" and not e.elastic)
             if bound:

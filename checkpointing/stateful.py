@@ -45,6 +45,9 @@ class Entry:
     elastic: bool = False
     """A per-rank entry that may resume on a different number of ranks: rank r then loads the
     piece saved by rank `r mod saved_world_size`. Without it such a resume is refused."""
+    optional: bool = False
+    """A checkpoint may lack it (one written before the entry existed): the object is then
+    left as the run built it. Without it such a checkpoint is refused."""
 
     @property
     def kind(self) -> str:

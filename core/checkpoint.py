@@ -7,7 +7,6 @@ the trajectory, and the self-check recorded at save and recomputed after a load.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -16,7 +15,7 @@ from typing import Any
 
 from checkpointing.hf_export import HF_ENTRY, HFFiles
 from checkpointing.manager import CheckpointManager, CheckpointSaveError, Entry
-from checkpointing.manifest import CheckpointError, Manifest, read_manifest
+from checkpointing.manifest import CheckpointError, read_manifest
 from checkpointing.restore import source_rank
 from checkpointing.rng import RNGState, rng_fingerprint
 from checkpointing.staging import SaveOutcome
@@ -24,6 +23,7 @@ from checkpointing.stateful import Stateful
 from checkpointing.storage import Storage
 from core.config import Config
 from core.data.sampler import ResumableDistributedSampler
+from core.elastic import saved_global_batch
 from core.engines.base import Engine
 from core.state import TrainState
 
@@ -101,123 +101,6 @@ def trajectory(
     return flat
 
 
-def saved_global_batch(saved: dict[str, Any]) -> int | None:
-    """The global batch (samples per optimizer step) a saved trajectory ran at; derived for
-    checkpoints written before it was recorded."""
-    if "train.global_batch" in saved:
-        return saved["train.global_batch"]
-    per_rank = saved.get("train.samples_per_step")
-    if per_rank is None and "train.per_device_batch_size" in saved:
-        per_rank = saved["train.per_device_batch_size"] * saved["train.gradient_accumulation_steps"]
-    return None if per_rank is None else per_rank * saved["world_size"]
-
-
-def _check_deepspeed_reshard(config: Config, saved: Manifest, where: str) -> None:
-    """ZeRO 1-2 with an Adam-family optimizer resume on another number of ranks (through a
-    DeepSpeed universal checkpoint); anything else is refused with the reason."""
-    ds = saved.trajectory.get("engine.deepspeed_config") or {}
-    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
-    named = str((ds.get("optimizer") or {}).get("type", "")).lower()
-    adam = named in ("adam", "adamw") if named else config.optim.name.startswith("adamw")
-    why = None
-    if stage == 0:
-        why = "ZeRO stage 0 keeps no partitioned optimizer state to convert"
-    elif stage == 3:
-        why = (
-            "DeepSpeed 0.19's universal load gives every ZeRO-3 parameter group the "
-            "hyperparameters of the first (weight decay would reach biases and norms)"
-        )
-    elif not adam:
-        why = "DeepSpeed's universal checkpoints hold Adam moments only (exp_avg, exp_avg_sq)"
-    if why is not None:
-        raise CheckpointError(
-            f"{where}: DeepSpeed ZeRO-{stage} shards cannot be resharded here: {why}; relaunch "
-            f"on {saved.world_size}, or export the weights (python -m checkpointing export) "
-            "and start a new run from them"
-        )
-
-
-def fit_world_size(config: Config, saved: Manifest | None, world_size: int) -> Config:
-    """The config that resumes `saved` on `world_size` ranks.
-
-    With train.keep_global_batch, gradient accumulation is set so that world size x per-device
-    batch x accumulation equals the checkpoint's global batch, and a change is logged: on
-    another number of ranks, and on the same number after such a resume (the checkpoint then
-    ran at another accumulation than the config says). A resume that cannot keep it, or state
-    that cannot be resharded, is refused with the numbers (CheckpointError)."""
-    if saved is None:
-        return config
-    tc, old = config.train, saved.world_size
-    elastic = old != world_size
-    where = (
-        f"resuming a checkpoint of {old} rank(s) on {world_size}"
-        if elastic
-        else f"resuming checkpoint-{saved.step}"
-    )
-    if elastic:
-        if saved.engine != config.engine.name:
-            raise CheckpointError(
-                f"{where}: saved by engine {saved.engine}, this run uses {config.engine.name}"
-            )
-        if saved.engine == "deepspeed":
-            _check_deepspeed_reshard(config, saved, where)
-        if str(saved.trajectory.get("dataset", "")).startswith("stream:"):
-            raise CheckpointError(
-                f"{where}: an iterable dataset is dealt to ranks by their number, so its "
-                f"position means nothing on {world_size}; relaunch on {old}"
-            )
-    target = saved_global_batch(saved.trajectory)
-    b, a = tc.per_device_batch_size, tc.gradient_accumulation_steps
-    if target is None or world_size * b * a == target:
-        if target is not None and elastic:
-            logger.warning(
-                "%s: the global batch stays %d (%d x %d x %d accumulation)",
-                where,
-                target,
-                world_size,
-                b,
-                a,
-            )
-        return config
-    if not tc.keep_global_batch:
-        if not elastic:
-            return config  # the trajectory check names what changed
-        raise CheckpointError(
-            f"{where}: the global batch would change from {target} to {world_size * b * a} "
-            f"({world_size} ranks x {b} per device x {a} accumulation) with "
-            "train.keep_global_batch false; set it true, or choose the accumulation yourself"
-        )
-    if not elastic and saved.trajectory.get("train.per_device_batch_size", b) != b:
-        return config  # another micro-batch on the same ranks: the trajectory check refuses
-    if target % world_size:
-        raise CheckpointError(
-            f"{where}: cannot keep the global batch of {target} samples: it is not a multiple "
-            f"of {world_size} ranks; relaunch on a number of ranks that divides {target}"
-        )
-    if target % (world_size * b):
-        raise CheckpointError(
-            f"{where}: cannot keep the global batch of {target} samples: it is not a multiple "
-            f"of {world_size} ranks x {b} per device; set train.per_device_batch_size to a "
-            f"divisor of {target // world_size}"
-        )
-    accumulation = target // (world_size * b)
-    logger.warning(
-        "%s: gradient_accumulation_steps %d -> %d keeps the global batch at %d (%d x %d x %d)%s",
-        where,
-        a,
-        accumulation,
-        target,
-        world_size,
-        b,
-        accumulation,
-        f"; losses continue within float rounding of the run on {old}, not bit for bit"
-        if elastic
-        else "",
-    )
-    train = dataclasses.replace(tc, gradient_accumulation_steps=accumulation)
-    return dataclasses.replace(config, train=train)
-
-
 def fingerprint(values: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -268,12 +151,18 @@ class RunCheckpointer:
             },
             "sampler": Entry(self.sampler),
             "train_state": Entry(self.state),
-            **({HF_ENTRY: Entry(self.hf_files)} if self.hf_files is not None else {}),
+            **self._hf_entry(),
             **{name: Entry(obj) for name, obj in self.extra_state().items()},
             # On another number of ranks, rank r continues the stream of saved rank r mod W:
             # every rank is seeded alike (set_seed), so this keeps that convention.
             "rng": Entry(self.rng, per_rank=True, elastic=True),
         }
+
+    def _hf_entry(self) -> dict[str, Entry]:
+        if self.hf_files is None:
+            return {}
+        # Optional: checkpoints of a transformers model built by a factory predate the entry.
+        return {HF_ENTRY: Entry(self.hf_files, optional=True)}
 
     def _checks(self) -> dict[str, Any]:
         return {

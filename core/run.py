@@ -20,7 +20,7 @@ from checkpointing.hf_export import HFFiles
 from checkpointing.manager import CheckpointManager
 from checkpointing.storage import Storage, display_url, is_private_to_process, open_storage
 from core.callbacks import TrainerCallback
-from core.checkpoint import RunCheckpointer, fit_world_size, trajectory
+from core.checkpoint import RunCheckpointer, trajectory
 from core.config import HF_PREFIX, Config, ConfigError, metric_greater_is_better
 from core.data import (
     HFTokenizer,
@@ -30,11 +30,12 @@ from core.data import (
     load_tokenizer,
     sample_lengths,
 )
-from core.data.build import main_process_first
+from core.data.build import check_same_data, main_process_first
 from core.data.columns import default_label_names, remove_unused_columns
 from core.data.sampler import ResumableDistributedSampler
 from core.data.stream import StreamPosition, is_stream
 from core.data.tokenizers import check_vocab
+from core.elastic import fit_world_size
 from core.engines.base import Engine
 from core.engines.ddp import DDPEngine
 from core.evaluation import evaluate
@@ -279,6 +280,7 @@ def build_trainer(
 
     dataset, eval_dataset = main_process_first(build_data, dist_info.rank, dist_info.local_rank)
     lengths, data_fp = _dataset_facts(dataset)
+    check_same_data(data_fp, dist_info.rank)
     sampler = _make_sampler(config, dataset, lengths, dist_info)
     if isinstance(sampler, StreamPosition):
         total_steps = config.train.max_steps  # checked by _make_sampler

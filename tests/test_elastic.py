@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import load_file
 
 from checkpointing.manifest import CheckpointError, Manifest
-from core.checkpoint import fit_world_size
 from core.config import Config, load_config
+from core.elastic import fit_world_size
 from tests.checkpoints import assert_same_checkpoint, assert_same_losses, seed_resume_dir
 from tests.conftest import free_port
 from tests.launch import (

@@ -263,3 +263,93 @@ def test_vocab_larger_than_the_embedding_is_refused_with_both_sizes(hf_assets):
     with pytest.raises(DataError, match="bytes produces ids up to 255.*embedding of 100 rows"):
         check_vocab(None, 100, "m")
     assert np.iinfo(np.uint16).max >= tok.vocab_size
+
+
+# --- what a tokenizer.json or a template may hide ----------------------------------------------
+
+
+def test_truncation_and_padding_saved_in_tokenizer_json_are_not_applied(hf_assets, tmp_path):
+    tok = load_tokenizer(text_cfg(hf_assets)).hf
+    tok.backend_tokenizer.enable_truncation(max_length=4)
+    tok.backend_tokenizer.enable_padding(length=48, pad_id=tok.pad_token_id)
+    saved = tmp_path / "truncating"
+    tok.save_pretrained(saved)
+    plain = build_dataset(text_cfg(hf_assets, packing=False, seq_len=40))
+    odd = build_dataset(text_cfg(hf_assets, packing=False, seq_len=40, tokenizer=f"hf:{saved}"))
+    assert odd["input_ids"] == plain["input_ids"]  # whole documents, no pad ids
+
+
+def test_a_token_that_takes_the_prompts_last_space_is_no_label(hf_assets, tmp_path):
+    from tokenizers import processors
+
+    tok = load_tokenizer(text_cfg(hf_assets)).hf
+    # GPT-2's post-processor: offsets of " hello" skip the space (trim_offsets).
+    tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+    saved = tmp_path / "trimming"
+    tok.save_pretrained(saved)
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "trains the model"},
+            ]
+        }
+    ]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    cfg = chat_cfg(hf_assets, path, tokenizer=f"hf:{saved}", chat_template=template, packing=False)
+    ds = build_dataset(cfg)
+    runs = labelled_text(load_tokenizer(cfg), ds[0]["input_ids"], ds[0]["labels"])
+    # " trains" holds the prompt's last space: no label (with trimmed offsets it would be one).
+    assert runs == [" the model\n"]
+
+
+def test_an_opening_assistant_turn_is_context_not_a_label(hf_assets, tmp_path):
+    a, u = "assistant", "user"
+    rows = [
+        {"messages": [{"role": a, "content": "hi there"}, {"role": u, "content": "q"}]},
+        {
+            "messages": [
+                {"role": a, "content": "hi there"},
+                {"role": u, "content": "q"},
+                {"role": a, "content": "the answer"},
+            ]
+        },
+    ]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    cfg = chat_cfg(hf_assets, path, packing=False)
+    ds = build_dataset(cfg)
+    assert len(ds) == 1
+    runs = labelled_text(load_tokenizer(cfg), ds[0]["input_ids"], ds[0]["labels"])
+    assert runs == ["the answer<|im_end|>\n"]
+
+
+def test_a_template_that_does_not_parse_is_refused_once(hf_assets):
+    with pytest.raises(DataError, match="^data.chat_template: the chat template does not parse"):
+        build_dataset(chat_cfg(hf_assets, chat_template="{% for m in messages %}{{ m }"))
+
+
+def test_templates_that_print_a_date_get_a_fixed_one(hf_assets, tmp_path):
+    template = (
+        "{{ date_string }}\n{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    cfg = chat_cfg(hf_assets, chat_template=template, packing=False)
+    ds = build_dataset(cfg)
+    assert load_tokenizer(cfg).hf.decode(ds[0]["input_ids"]).startswith("26 Jul 2024\n")
+
+
+def test_a_file_replaced_under_its_old_mtime_is_read_again(hf_assets, tmp_path):
+    import os
+
+    path = tmp_path / "corpus.txt"
+    path.write_text("the model trains\n" * 50)
+    before = build_dataset(text_cfg(hf_assets, source=str(path)))
+    stat = path.stat()
+    path.write_text("a checkpoint keeps every state\n" * 60)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # cp -p, tar x
+    after = build_dataset(text_cfg(hf_assets, source=str(path)))
+    assert after["input_ids"] != before["input_ids"]

@@ -226,29 +226,34 @@ def test_deepspeed_zero3_resumes_after_sigkill_and_exports_the_live_model(
 # -- tokenising once ------------------------------------------------------------------------
 
 
-def _build_worker(rank: int, port: int, cache_dir: str, assets, fail_rank0: bool, results) -> None:
+def _build_worker(rank: int, port: int, cache_dir: str, assets, mode: str, results) -> None:
     import datasets
     import torch.distributed as dist
 
     from core.config import DataConfig
-    from core.data import DataError, build_dataset
-    from core.data.build import main_process_first
+    from core.data import DataError, build_dataset, dataset_fingerprint
+    from core.data.build import check_same_data, main_process_first
     from core.data.tokenizers import HFTokenizer
 
     datasets.config.HF_DATASETS_CACHE = Path(cache_dir)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        cfg = DataConfig(source=str(assets.text), tokenizer=f"hf:{assets.tokenizer}", seq_len=32)
-        if rank == 1:
+        source = str(assets.text)
+        if mode == "differs" and rank == 1:  # this node's copy of the file is another
+            source = str(Path(cache_dir).parent / "other.txt")
+            Path(source).write_text("a checkpoint keeps every state\n" * 80)
+        cfg = DataConfig(source=source, tokenizer=f"hf:{assets.tokenizer}", seq_len=32)
+        if rank == 1 and mode == "builds":
 
             def refuse(*args, **kwargs):
                 raise AssertionError("rank 1 tokenised instead of reading rank 0's cache")
 
             HFTokenizer.encode = refuse  # this process only
-        if fail_rank0 and rank == 0:
-            cfg = DataConfig(source=str(assets.text), tokenizer="hf:/no/such/tokenizer")
+        if mode == "fails" and rank == 0:
+            cfg = DataConfig(source=source, tokenizer="hf:/no/such/tokenizer")
         try:
             ds = main_process_first(lambda: build_dataset(cfg), rank, rank)
+            check_same_data(dataset_fingerprint(ds), rank)
             results[rank] = len(ds)
         except DataError as e:
             results[rank] = f"DataError: {e}"
@@ -256,22 +261,29 @@ def _build_worker(rank: int, port: int, cache_dir: str, assets, fail_rank0: bool
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fail_rank0", [False, True], ids=["builds", "fails"])
-def test_the_first_rank_tokenises_and_the_others_read_its_cache(hf_assets, tmp_path, fail_rank0):
+@pytest.mark.parametrize("mode", ["builds", "fails", "differs"])
+def test_the_first_rank_tokenises_and_the_others_read_its_cache(hf_assets, tmp_path, mode):
+    """`builds`: rank 1 reads rank 0's cache (its tokenizer would raise); `fails`: rank 0's error
+    stops rank 1 too, no hang; `differs`: ranks that built other samples stop before training."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         mp.start_processes(
             _build_worker,
-            args=(free_port(), str(tmp_path / "cache"), hf_assets, fail_rank0, results),
+            args=(free_port(), str(tmp_path / "cache"), hf_assets, mode, results),
             nprocs=2,
             start_method="spawn",
         )  # joins both
         got = dict(results)
-    if fail_rank0:
+    if mode == "fails":
         assert got[0].startswith("DataError: data.tokenizer: no such directory")
-        assert (
-            got[1] == "DataError: data: building the datasets failed on another rank (see its log)"
+        assert got[1] == (
+            "DataError: data: building the datasets failed on another rank (see its log)"
         )
+    elif mode == "differs":
+        assert (
+            got[0] == "DataError: data: another rank built other samples than rank 0 (see its log)"
+        )
+        assert got[1].startswith("DataError: data: rank 1 built other samples than rank 0")
     else:
         assert got[0] == got[1] > 100

@@ -268,3 +268,50 @@ def test_resuming_with_another_tokenizer_is_refused_naming_it(hf_assets, trained
     )
     with pytest.raises(CheckpointError, match="data.tokenizer.fingerprint"):
         Trainer(args=config).train()
+
+
+def test_hf_files_stay_inside_the_export_and_may_sit_in_folders(trained, tmp_path):
+    from checkpointing.hf_export import HFFiles, write_hf_model
+
+    trainer, _, _ = trained
+    files = HFFiles(trainer.loop.checkpointer.hf_files.files)
+    for bad in ("../escape.txt", "/etc/x", "a/../../b"):
+        with pytest.raises(CheckpointError, match="outside the model directory"):
+            files.load_state_dict({"files": {bad: "x"}})
+    named = {**files.files, "additional_chat_templates/tools.jinja": b"{{ messages }}"}
+    tensors = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    out = write_hf_model(tmp_path / "out", tensors, named)
+    assert (out / "additional_chat_templates" / "tools.jinja").read_bytes() == b"{{ messages }}"
+
+
+def test_a_bad_max_shard_size_is_a_usage_error(trained, tmp_path, capsys):
+    _, run_dir, _ = trained
+    with pytest.raises(SystemExit) as e:
+        checkpointing_main(
+            [
+                "export",
+                str(run_dir / "checkpoint-6"),
+                str(tmp_path / "o"),
+                "--hf",
+                "--max-shard-size",
+                "5XB",
+            ]
+        )
+    assert e.value.code == 2 and "a size such as 5GB" in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_the_hf_entry_still_resumes(hf_assets, trained, tmp_path):
+    """Checkpoints of a transformers model from before the entry existed (a factory's)."""
+    _, run_dir, _ = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    for ckpt in copy.glob("checkpoint-*"):
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        del manifest["entries"]["hf"]
+        manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("hf.")}
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+        (ckpt / "hf.json").unlink()
+    shutil.rmtree(copy / "checkpoint-6")
+    trainer = Trainer(args=hf_config(hf_assets, copy))
+    assert trainer.train().global_step == 6 and trainer.loop.start_step == 3
+    assert (copy / "checkpoint-6" / "hf.json").is_file()

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from checkpointing.storage import display_url, redact_options
-from core.config.checks import ConfigError, _check
+from core.config.checks import ConfigError, _check, first_line
 from core.config.inputs import DATA_FORMATS, HF_PREFIX, DataConfig, ModelConfig
 from core.config.sections import (
     ENGINES,
@@ -54,6 +54,7 @@ __all__ = [
     "TrainConfig",
     "build_config",
     "dump_config",
+    "first_line",
     "load_config",
     "metric_greater_is_better",
     "parse_overrides",

@@ -34,3 +34,10 @@ def _read_mapping(path: str, key: str) -> dict[str, Any]:
 
 def _one_of(value: str, key: str, accepted: tuple[str, ...]) -> None:
     _check(value in accepted, key, f"unknown value {value!r}; accepted: {', '.join(accepted)}")
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to its first line (its type when it has none): what a
+    one-line error quotes of a library's error."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config.checks import _check, _one_of
+from core.config.checks import ConfigError, _check, _one_of
 
 DATA_FORMATS = ("auto", "text", "json", "parquet", "chat")
 MODEL_DTYPES = ("float32", "bfloat16")
@@ -158,4 +158,7 @@ def _read_template(value: str) -> str:
         "data.chat_template",
         f"no such file {value!r} (give a file, or a Jinja template holding {{% or {{{{)",
     )
-    return p.read_text(encoding="utf-8")
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"data.chat_template: cannot read {value!r} as UTF-8 text ({e})") from e

@@ -11,6 +11,7 @@ same batch after a restart; `dataset_fingerprint` lets a resume check that.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import logging
@@ -24,9 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch.distributed as dist
 
-from checkpointing.comm import any_rank
+from checkpointing.comm import any_rank, broadcast_object
 from core.config import DataConfig
-from core.data.chat import SKIP_REASONS, encode_chat, skip_report
+from core.data.chat import SKIP_REASONS, check_template, encode_chat, skip_report
 from core.data.errors import DataError
 from core.data.pack import MIN_TOKENS, blocks, pack_table, ragged, used_rows
 from core.data.sources import load_records, stdlib_records, text_column
@@ -35,6 +36,8 @@ from core.data.tokenizers import HFTokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+BUILD_TIMEOUT = datetime.timedelta(hours=48)
+"""How long ranks wait for another to build the datasets (tokenising a corpus)."""
 PIPELINE_VERSION = 1
 """Part of every cache fingerprint: bump when a tokenisation step changes what it produces."""
 
@@ -98,6 +101,32 @@ def main_process_first(build: Callable[[], T], rank: int, local_rank: int) -> T:
     naming the rank that failed), never a rank waiting forever in a collective."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return build()
+    # The waiting ranks sit in a collective while another tokenises, which may take hours: a
+    # group of its own, whose timeout is not the training group's.
+    group = dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT)
+    try:
+        return _in_phases(build, rank, local_rank, group)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def check_same_data(fingerprint: str, rank: int) -> None:
+    """Every rank built the samples rank 0 built (a local file or cache that differs between
+    nodes, a template that prints the date...): else one line, on every rank, before training."""
+    expected = broadcast_object(fingerprint)
+    differs = fingerprint != expected
+    if any_rank([differs])[0]:
+        if differs:
+            message = (
+                f"data: rank {rank} built other samples than rank 0 (dataset fingerprint "
+                f"{fingerprint}, rank 0: {expected}); give every node the same data.source files"
+            )
+            logger.error("%s", message)  # rank 0 alone reports usage errors (launcher.main)
+            raise DataError(message)
+        raise DataError("data: another rank built other samples than rank 0 (see its log)")
+
+
+def _in_phases(build: Callable[[], T], rank: int, local_rank: int, group: Any) -> T:
     phases = (rank == 0, rank != 0 and local_rank == 0, local_rank != 0)
     result: Any = None
     error: BaseException | None = None
@@ -109,7 +138,7 @@ def main_process_first(build: Callable[[], T], rank: int, local_rank: int) -> T:
                 error = e
                 if rank != 0:  # rank 0 alone reports usage errors (launcher.main)
                     logger.error("rank %d: %s", rank, e)
-        if any_rank([error is not None])[0]:
+        if any_rank([error is not None], group)[0]:
             if error is not None:
                 raise error
             raise DataError("data: building the datasets failed on another rank (see its log)")
@@ -179,6 +208,7 @@ def _chat(cfg: DataConfig, tokenizer: HFTokenizer, quiet: bool) -> tuple[dataset
             f"data.chat_template: the tokenizer {tokenizer.spec} has no chat template; give "
             "one (a Jinja template, or a file holding one) as data.chat_template"
         )
+    check_template(tokenizer, cfg.chat_template)
     dtype = token_dtype(tokenizer)
     kwargs = {
         "tokenizer": tokenizer,

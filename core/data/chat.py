@@ -7,7 +7,8 @@ characters lie entirely inside an assistant turn: the text the template adds for
 after the prompt that asks for it (`add_generation_prompt`), i.e. the reply and the template's
 end-of-turn marker. Every other token, including one that straddles a turn boundary, gets -100.
 The turn spans come from rendering the conversation prefix by prefix, so any template works
-whose rendering of a conversation starts with the rendering of its first turns.
+whose rendering of a conversation starts with the rendering of its first turns. An assistant turn
+that opens a conversation answers no prompt: it is context, not a label.
 
 Rows that cannot be used are counted by reason (`SKIP_REASONS`), never silently dropped.
 """
@@ -21,11 +22,14 @@ import jinja2
 import numpy as np
 import pyarrow as pa
 
+from core.data.errors import DataError
 from core.data.pack import IGNORE, ragged
 from core.data.tokenizers import HFTokenizer
 
 logger = logging.getLogger(__name__)
 TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError)
+DATE_STRING = "26 Jul 2024"
+"""What templates that print a date are given (Llama 3's own default)."""
 ROLES = ("system", "user", "assistant", "tool")
 SKIP_REASONS = (
     "",  # 0: used
@@ -67,9 +71,27 @@ def _clean(messages: Any) -> tuple[list[dict[str, Any]] | None, int]:
 
 
 def _render(tokenizer: HFTokenizer, messages: list, template: str | None, prompt: bool) -> str:
+    # A fixed date_string: templates that print today's date (Llama 3's "Today Date") would
+    # otherwise render other samples on another day.
     return tokenizer.hf.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=prompt, chat_template=template
+        messages,
+        tokenize=False,
+        add_generation_prompt=prompt,
+        chat_template=template,
+        date_string=DATE_STRING,
     )
+
+
+def check_template(tokenizer: HFTokenizer, template: str | None) -> None:
+    """Refuse a template that does not parse, once, before any row is rendered."""
+    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    try:
+        _render(tokenizer, probe, template, prompt=False)
+    except jinja2.TemplateSyntaxError as e:
+        where = "data.chat_template" if template is not None else f"data.tokenizer {tokenizer.spec}"
+        raise DataError(f"{where}: the chat template does not parse: {e}") from e
+    except TEMPLATE_ERRORS:
+        pass  # a template may refuse this probe (e.g. ask for a system turn): rows will tell
 
 
 def _spans(
@@ -79,8 +101,8 @@ def _spans(
     conversation as something other than its rendered prefixes plus more text."""
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
+        if m["role"] != "assistant" or i == 0:
+            continue  # an opening assistant turn answers no prompt: context, not a label
         asked = _render(tokenizer, messages[:i], template, prompt=True)
         answered = _render(tokenizer, messages[: i + 1], template, prompt=False)
         if not (answered.startswith(asked) and full.startswith(answered)):
@@ -137,7 +159,7 @@ def encode_chat(
             else:
                 turns = _spans(tokenizer, messages, template, full)
         except TEMPLATE_ERRORS as e:  # a template's raise_exception, or Python errors inside it
-            if not skip.any():  # counted by reason; the first of a batch is logged with its text
+            if not (skip == TEMPLATE_ERROR).any():  # counted; the first of a batch logged
                 logger.warning("chat row %d: the chat template failed: %s", i, e)
             skip[i] = TEMPLATE_ERROR
             continue
@@ -147,7 +169,9 @@ def encode_chat(
         texts.append(full)
         spans.append(turns)
         kept.append(i)
-    encodings = tokenizer.backend.encode_batch(texts, add_special_tokens=False) if texts else []
+    encodings = (
+        tokenizer.chat_backend.encode_batch(texts, add_special_tokens=False) if texts else []
+    )
     ids_out: list[np.ndarray] = [np.zeros(0, dtype=dtype)] * len(rows)
     labels_out: list[np.ndarray] = [np.zeros(0, dtype=np.int32)] * len(rows)
     for i, enc, turns in zip(kept, encodings, spans, strict=True):

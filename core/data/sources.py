@@ -8,6 +8,8 @@ position means the same batch after a restart.
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import logging
 import os
 import sysconfig
@@ -16,7 +18,7 @@ from pathlib import Path
 import datasets
 import pyarrow as pa
 
-from core.config import DataConfig
+from core.config import DataConfig, first_line
 from core.data.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -64,14 +66,19 @@ def load_records(cfg: DataConfig) -> tuple[datasets.Dataset, str, str]:
     description for the log). Raises DataError for a source that cannot be read."""
     fmt = resolve_format(cfg)
     files = data_files(cfg.source)
+    # datasets keys its cache of the files by path and mtime; the name adds their sizes, so a
+    # file replaced under its old mtime (cp -p, tar x) with other content of another size is
+    # read again rather than served from the old cache.
+    sizes = hashlib.sha256(json.dumps([os.path.getsize(f) for f in files]).encode())
     try:
-        raw = datasets.load_dataset(fmt, data_files=files, split="train")
+        raw = datasets.load_dataset(
+            fmt, data_files=files, split="train", name=f"sizes-{sizes.hexdigest()[:16]}"
+        )
     except (datasets.exceptions.DatasetsError, pa.ArrowException) as e:
         cause = e.__cause__ or e  # DatasetGenerationError wraps the parser's error
-        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         raise DataError(
             f"data.source: cannot read {cfg.source!r} as {fmt} "
-            f"({cause.__class__.__name__}: {reason})"
+            f"({cause.__class__.__name__}: {first_line(cause)})"
         ) from e
     return raw, fmt, f"{len(files)} {fmt} file(s) {cfg.source!r}, {len(raw)} records"
 

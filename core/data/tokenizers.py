@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from core.config import DataConfig
+from core.config import DataConfig, first_line
 from core.data.errors import DataError
 from core.hub import hf_location
 
@@ -31,10 +31,10 @@ class HFTokenizer:
     def __init__(self, spec: str, tokenizer: Any) -> None:
         self.spec = spec
         self.hf = tokenizer
-        self.backend = tokenizer.backend_tokenizer
+        self._backends()
         special = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
         identity = {
-            "tokenizer.json": self.backend.to_str(),
+            "tokenizer.json": tokenizer.backend_tokenizer.to_str(),
             "special_tokens": special,
             "chat_template": tokenizer.chat_template,
         }
@@ -50,7 +50,24 @@ class HFTokenizer:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.backend = self.hf.backend_tokenizer
+        self._backends()
+
+    def _backends(self) -> None:
+        """Private copies of the Rust tokenizer: `backend` without the truncation or padding a
+        tokenizer.json may switch on (every document whole, no pad ids, the same ids however
+        rows are batched); `chat_backend` also without its post-processor, whose offsets a
+        ByteLevel `trim_offsets` would shift off a token's leading space (chat labels compare
+        offsets with turn boundaries; with add_special_tokens=False it adds no id)."""
+        from tokenizers import Tokenizer
+
+        text = self.hf.backend_tokenizer.to_str()
+        self.backend = Tokenizer.from_str(text)
+        self.backend.no_truncation()
+        self.backend.no_padding()
+        self.chat_backend = Tokenizer.from_str(text)
+        self.chat_backend.no_truncation()
+        self.chat_backend.no_padding()
+        self.chat_backend.post_processor = None
 
     @property
     def vocab_size(self) -> int:
@@ -99,9 +116,8 @@ def load_tokenizer(cfg: DataConfig) -> HFTokenizer | None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(where.where, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"data.tokenizer: cannot load {where}: {reason}") from e
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise DataError(f"data.tokenizer: cannot load {where}: {first_line(e)}") from e
     if not getattr(tokenizer, "is_fast", False) or not hasattr(tokenizer, "backend_tokenizer"):
         raise DataError(
             f"data.tokenizer: {where} loads as a slow (Python) tokenizer "

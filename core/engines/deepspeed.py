@@ -135,7 +135,7 @@ class DeepSpeedShards:
     """The checkpoint entry of DeepSpeed's own files (a directory entry: a collective).
 
     ZeRO 1-2 shards saved on another number of ranks are loaded through a DeepSpeed universal
-    checkpoint converted from them (`elastic`); see core.checkpoint.fit_world_size for what is
+    checkpoint converted from them (`elastic`); see core.elastic.fit_world_size for what is
     refused."""
 
     def __init__(self, engine: Any, load_lr_scheduler: bool) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.config import ConfigError, ModelConfig
+from core.config import ConfigError, ModelConfig, first_line
 from core.hub import HFLocation, hf_location
 
 logger = logging.getLogger(__name__)
@@ -39,20 +39,18 @@ class HFSource:
     config: Any
     """transformers.PretrainedConfig."""
 
+    def _text(self, key: str) -> int | None:
+        """A field of the language model's config (the text part of a multimodal one)."""
+        text = getattr(self.config, "get_text_config", lambda: self.config)()
+        return getattr(text, key, None)
+
     @property
     def vocab_size(self) -> int | None:
-        text = getattr(self.config, "get_text_config", lambda: self.config)()
-        return getattr(text, "vocab_size", None)
+        return self._text("vocab_size")
 
     @property
     def max_positions(self) -> int | None:
-        text = getattr(self.config, "get_text_config", lambda: self.config)()
-        return getattr(text, "max_position_embeddings", None)
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+        return self._text("max_position_embeddings")
 
 
 def _check_local(where: Path, cfg: ModelConfig) -> None:
@@ -65,7 +63,7 @@ def _check_local(where: Path, cfg: ModelConfig) -> None:
     try:
         values = json.loads(config_file.read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model.name: {config_file} is not valid JSON ({_one_line(e)})") from e
+        raise ConfigError(f"model.name: {config_file} is not valid JSON ({first_line(e)})") from e
     from transformers import CONFIG_MAPPING
 
     model_type = values.get("model_type")
@@ -109,11 +107,13 @@ def resolve_hf(cfg: ModelConfig) -> HFSource:
                 "model.trust_remote_code true only if you trust that code"
             ) from e
         raise ConfigError(
-            f"model.name: cannot read the config of {location}: {_one_line(e)}"
+            f"model.name: cannot read the config of {location}: {first_line(e)}"
         ) from e
     except (OSError, KeyError) as e:
         where = "directory" if location.local is not None else "Hugging Face Hub model"
-        raise ConfigError(f"model.name: cannot load {location} as a {where}: {_one_line(e)}") from e
+        raise ConfigError(
+            f"model.name: cannot load {location} as a {where}: {first_line(e)}"
+        ) from e
     mapping = AutoModelForCausalLM._model_mapping
     remote = getattr(config, "auto_map", None) or {}
     if type(config) not in mapping and "AutoModelForCausalLM" not in remote:
@@ -143,7 +143,7 @@ def build_hf_model(source: HFSource, cfg: ModelConfig) -> nn.Module:
             model = AutoModelForCausalLM.from_config(source.config, **kwargs)
     except (OSError, ValueError, ImportError) as e:
         key = "model.attn_implementation" if "attn" in str(e) else "model.name"
-        raise ConfigError(f"{key}: cannot build {source.location}: {_one_line(e)}") from e
+        raise ConfigError(f"{key}: cannot build {source.location}: {first_line(e)}") from e
     # Inference caches are no use in training (forward would allocate one per step).
     model.config.use_cache = False
     return model
