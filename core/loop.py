@@ -89,7 +89,12 @@ class TrainLoop:
         self.sampler = sampler
         self.collate_fn = collate_fn
         # Per-sample token counts, when the dataset tells them (tokens_seen stays 0 otherwise).
-        self.lengths = None if lengths is None else np.asarray(lengths, dtype=np.int64)
+        # A token store's (all seq_len) comes as an object, not an array of N entries.
+        self.lengths = (
+            lengths
+            if lengths is None or hasattr(lengths, "seq_len")
+            else np.asarray(lengths, dtype=np.int64)
+        )
         self.dist = dist_info
         self.state = state or TrainState()
         self.control = TrainerControl()

@@ -32,7 +32,8 @@ from core.data import (
 )
 from core.data.build import check_same_data, main_process_first
 from core.data.columns import default_label_names, remove_unused_columns
-from core.data.sampler import ResumableDistributedSampler
+from core.data.from_store import check_store, open_training_store, store_lengths, store_of
+from core.data.sampler import BijectiveSampler, ResumableDistributedSampler
 from core.data.stream import StreamPosition, is_stream
 from core.data.tokenizers import check_vocab
 from core.elastic import fit_world_size
@@ -89,7 +90,8 @@ def _make_sampler(
             tc.gradient_accumulation_steps,
         )
     try:
-        return ResumableDistributedSampler(
+        cls = BijectiveSampler if store_of(dataset) is not None else ResumableDistributedSampler
+        return cls(
             num_samples=len(dataset),
             num_replicas=dist_info.world_size,
             rank=dist_info.rank,
@@ -108,6 +110,9 @@ def _dataset_facts(dataset: Any) -> tuple[np.ndarray | None, str]:
     if is_stream(dataset):
         # A stream cannot be hashed without reading it all; its type stands in.
         return None, f"stream:{type(dataset).__qualname__}"
+    store = store_of(dataset)
+    if store is not None:  # fixed-length blocks: no array of N lengths
+        return store_lengths(dataset), f"{store.fingerprint}:{len(dataset)}"
     if isinstance(dataset, datasets.Dataset) and "input_ids" in dataset.column_names:
         return np.asarray(sample_lengths(dataset)), dataset_fingerprint(dataset)
     if isinstance(dataset, datasets.Dataset):
@@ -274,11 +279,16 @@ def build_trainer(
 
     def build_data() -> tuple[Any, Any]:
         data = parts.train_dataset
-        if data is None:
+        if data is None and config.data.store_url is not None:
+            data = open_training_store(config.data, tokenizer)
+        elif data is None:
             data = build_dataset(config.data, tokenizer, quiet)
         return _eval_split(config, data, parts.eval_dataset, tokenizer, quiet)
 
     dataset, eval_dataset = main_process_first(build_data, dist_info.rank, dist_info.local_rank)
+    store = store_of(dataset)
+    if store is not None and parts.train_dataset is None:
+        check_store(config.data, store, dist_info.rank, dist_info.world_size)
     lengths, data_fp = _dataset_facts(dataset)
     check_same_data(data_fp, dist_info.rank)
     sampler = _make_sampler(config, dataset, lengths, dist_info)

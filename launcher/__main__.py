@@ -1,14 +1,20 @@
-"""Entry point: `python -m launcher` or `torchrun ... -m launcher`; `python -m launcher plot`
-and `python -m launcher status` look at runs instead of training (launcher/report.py)."""
+"""Entry point: `python -m launcher` or `torchrun ... -m launcher` trains; `python -m launcher
+prepare` writes token stores (launcher/prepare.py); `python -m launcher plot` and `python -m
+launcher status` look at runs instead of training (launcher/report.py)."""
 
 import sys
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["plot"] or sys.argv[1:2] == ["status"]:
+    command = sys.argv[1:2]
+    if command == ["plot"] or command == ["status"]:
         # Before importing the trainer: these commands need neither torch nor datasets.
         from launcher.report import main as report_main
 
         sys.exit(report_main(sys.argv[1:]))
+    if command == ["prepare"]:
+        from launcher.prepare import main as prepare_main
+
+        sys.exit(prepare_main(sys.argv[2:]))
     from launcher.main import main
 
     sys.exit(main())

@@ -16,3 +16,5 @@ def setup_logging(rank: int, level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper()) if rank == 0 else logging.WARNING)
+    # fsspec logs every file it opens at debug: a token store's reads would drown the run's.
+    logging.getLogger("fsspec").setLevel(max(root.level, logging.INFO))

@@ -20,6 +20,11 @@ from launcher.session import Session, session
 logger = logging.getLogger("launcher")
 
 USAGE_ERRORS = (ConfigError, DataError)
+COMMANDS = """other commands (each has its own --help):
+  prepare --config FILE   tokenise data.source into the token store at data.store
+  prepare --verify STORE  check every shard of a token store against its index
+  status RUN_DIR          steps, checkpoints, resumes, speed and ETA of a run
+  plot RUN_DIR...         loss and learning rate by step, as a PNG"""
 
 
 def parse_args(argv: list[str] | None) -> tuple[str | None, list[str]]:
@@ -27,6 +32,8 @@ def parse_args(argv: list[str] | None) -> tuple[str | None, list[str]]:
         prog="python -m launcher",
         description="Train under torchrun with resumable checkpoints. Any config field can be "
         "overridden as --section.key VALUE (e.g. --train.max_steps 50).",
+        epilog=COMMANDS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", help="YAML config file (default: configs/tiny.yaml)")
     # The `deepspeed` launcher appends --local_rank=N (unless --no_local_rank); LOCAL_RANK in

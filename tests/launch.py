@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from checkpointing.manifest import list_checkpoints, verify
 
 REPO = Path(__file__).resolve().parent.parent
 # A small in-process run: 625 samples of 32 bytes, 8 per batch, logging every step.
@@ -190,3 +193,38 @@ class Output:
     def text(self) -> str:
         self._thread.join(timeout=30)
         return "".join(self.lines)
+
+
+def launch(run_dir: Path, args: tuple[str, ...], env: dict[str, str]) -> str:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    result = run(
+        launcher_cmd(2, ["--run.output_dir", str(run_dir), *args]), run_dir.parent, env=env
+    )
+    assert result.returncode == 0, result.output
+    return result.output
+
+
+def last_checkpoint(run_dir: Path) -> Path:
+    (_, name), *_ = list_checkpoints(run_dir)  # the newest
+    return run_dir / name
+
+
+def kill_and_finish(run_dir: Path, args: tuple[str, ...], env: dict, plans: list[str], seed: int):
+    """Kill the run at each plan's moment (torchrun and every worker), then run it to the end."""
+    rng = random.Random(seed)
+    hits = 0
+    for plan in plans:
+        proc = start(run_dir, 2, *args, env=env)
+        if plan == "save":
+            hit = wait_for(lambda: saving(run_dir), proc, timeout=180)
+            time.sleep(rng.uniform(0, 0.03))
+        else:
+            target = logged_steps(run_dir) + rng.randint(2, 5)
+            hit = wait_for(lambda t=target: logged_steps(run_dir) >= t, proc, timeout=180)
+            time.sleep(rng.uniform(0, 0.05))
+        kill_tree(proc)
+        hits += hit
+        for _, name in list_checkpoints(run_dir):
+            verify(run_dir / name)  # a checkpoint-<step> that exists is always complete
+    assert hits >= len(plans) - 1, "the run ended before the kills: the test tested nothing"
+    return launch(run_dir, args, env)

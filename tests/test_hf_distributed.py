@@ -7,28 +7,16 @@ Tokenising runs on the first rank only; the others read its cache."""
 
 from __future__ import annotations
 
-import random
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from checkpointing.manifest import list_checkpoints, verify
 from tests.checkpoints import assert_same_checkpoint, assert_same_losses, seed_resume_dir
 from tests.conftest import free_port
-from tests.launch import (
-    REPO,
-    kill_tree,
-    launcher_cmd,
-    logged_steps,
-    run,
-    saving,
-    start,
-    wait_for,
-)
+from tests.launch import REPO, kill_and_finish, last_checkpoint, launch, launcher_cmd, run
 
 pytest.importorskip("transformers")
 
@@ -93,41 +81,6 @@ def sft_args(assets) -> tuple[str, ...]:
         "--checkpoint.save_steps",
         "3",
     )
-
-
-def launch(run_dir: Path, args: tuple[str, ...], env: dict[str, str]) -> str:
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    result = run(
-        launcher_cmd(2, ["--run.output_dir", str(run_dir), *args]), run_dir.parent, env=env
-    )
-    assert result.returncode == 0, result.output
-    return result.output
-
-
-def last_checkpoint(run_dir: Path) -> Path:
-    (_, name), *_ = list_checkpoints(run_dir)  # the newest
-    return run_dir / name
-
-
-def kill_and_finish(run_dir: Path, args: tuple[str, ...], env: dict, plans: list[str], seed: int):
-    """Kill the run at each plan's moment (torchrun and every worker), then run it to the end."""
-    rng = random.Random(seed)
-    hits = 0
-    for plan in plans:
-        proc = start(run_dir, 2, *args, env=env)
-        if plan == "save":
-            hit = wait_for(lambda: saving(run_dir), proc, timeout=180)
-            time.sleep(rng.uniform(0, 0.03))
-        else:
-            target = logged_steps(run_dir) + rng.randint(2, 5)
-            hit = wait_for(lambda t=target: logged_steps(run_dir) >= t, proc, timeout=180)
-            time.sleep(rng.uniform(0, 0.05))
-        kill_tree(proc)
-        hits += hit
-        for _, name in list_checkpoints(run_dir):
-            verify(run_dir / name)  # a checkpoint-<step> that exists is always complete
-    assert hits >= len(plans) - 1, "the run ended before the kills: the test tested nothing"
-    return launch(run_dir, args, env)
 
 
 @pytest.fixture(scope="module")

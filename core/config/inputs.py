@@ -85,7 +85,18 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"
-    """'stdlib' (the Python standard library's source, no download) or a file path or glob."""
+    """'stdlib' (the Python standard library's source, no download), a file path or glob, an
+    fsspec URL or glob (s3://bucket/corpus/*.jsonl: for prepare), or a token store."""
+    store: str | None = None
+    """A token store (a path or fsspec URL) that `python -m launcher prepare` writes from
+    data.source and training reads: O(1) resume at any position, any number of ranks."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for an s3:// (or other URL) data.source or data.store (endpoint_url,
+    key, secret, ...)."""
+    shard_bytes: int = 256 << 20
+    """prepare: bytes per store shard (whole blocks); sample i is block i for any value."""
+    store_cache_bytes: int = 256 << 20
+    """Reading a store from an object store: verified chunks kept per process (LRU)."""
     format: str = "auto"
     """File format: auto (from the extension), text, json (json/jsonl), parquet, or chat
     (json/jsonl/parquet rows with a `messages` list of {role, content})."""
@@ -123,6 +134,13 @@ class DataConfig:
         _check(self.max_bytes >= 0, "data.max_bytes", "must be >= 0")
         _check(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
         _check(self.num_proc >= 1, "data.num_proc", f"must be >= 1, got {self.num_proc}")
+        _check(self.shard_bytes > 0, "data.shard_bytes", f"must be > 0, got {self.shard_bytes}")
+        _check(self.store_cache_bytes >= 0, "data.store_cache_bytes", "must be >= 0")
+        _check(
+            isinstance(self.storage_options, dict),
+            "data.storage_options",
+            "must be a mapping of fsspec options",
+        )
         _check(
             self.tokenizer == "bytes"
             or (self.tokenizer.startswith(HF_PREFIX) and len(self.tokenizer) > len(HF_PREFIX)),
@@ -144,8 +162,33 @@ class DataConfig:
                 f"is for data.format chat, not {self.format}",
             )
             self.chat_template = _read_template(self.chat_template)
-        if self.source != "stdlib" and not any(ch in self.source for ch in "*?["):
+        if self.store is not None or self.uses_store:
+            for ok, key, why in (
+                (self.format != "chat", "data.format", "chat rows cannot train from a store"),
+                (self.packing, "data.packing", "a token store holds packed blocks"),
+                (
+                    not self.group_by_length,
+                    "data.group_by_length",
+                    "store blocks are all seq_len long: there is nothing to group",
+                ),
+            ):
+                _check(ok, key, why)
+        if (
+            self.source != "stdlib"
+            and "://" not in self.source
+            and not any(ch in self.source for ch in "*?[")
+        ):
             _check(Path(self.source).exists(), "data.source", f"no such file {self.source!r}")
+
+    @property
+    def uses_store(self) -> bool:
+        """data.source itself names a token store (a directory holding index.json)."""
+        return Path(self.source, "index.json").is_file()
+
+    @property
+    def store_url(self) -> str | None:
+        """The token store training reads: data.store, or a data.source that is one."""
+        return self.store or (self.source if self.uses_store else None)
 
 
 def _read_template(value: str) -> str:

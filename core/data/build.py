@@ -159,7 +159,7 @@ def _text(cfg: DataConfig, tokenizer: HFTokenizer | None) -> tuple[datasets.Data
     if tokenizer is None:
         kwargs: dict[str, Any] = {"field": field, "seq_len": cfg.seq_len, "packing": cfg.packing}
         ds = raw.map(
-            _encode_bytes,
+            encode_bytes,
             batched=True,
             remove_columns=raw.column_names,
             fn_kwargs=kwargs,
@@ -180,7 +180,7 @@ def _text(cfg: DataConfig, tokenizer: HFTokenizer | None) -> tuple[datasets.Data
             "dtype": dtype,
         }
         ds = raw.map(
-            _encode_hf,
+            encode_text,
             batched=True,
             num_proc=_procs(cfg, raw),
             remove_columns=raw.column_names,
@@ -311,14 +311,14 @@ def _step(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def _encode_bytes(batch: dict[str, list], field: str, seq_len: int, packing: bool) -> pa.Table:
+def encode_bytes(batch: dict[str, list], field: str, seq_len: int, packing: bool) -> pa.Table:
     """datasets.map function: texts -> UTF-8 byte ids (with a newline separator when packing)."""
     records = [(text or "").encode("utf-8") for text in batch[field]]
     records = [r + b"\n" for r in records] if packing else _truncate(records, seq_len)
     return pa.table({"input_ids": ragged(records)})  # a Table: map takes no Arrow arrays
 
 
-def _encode_hf(
+def encode_text(
     batch: dict[str, list],
     field: str,
     tokenizer: HFTokenizer,

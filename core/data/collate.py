@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from core.data.pack import IGNORE
@@ -18,6 +19,10 @@ def collate(batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """
     seqs = [sample["input_ids"] for sample in batch]
     given = [sample.get("labels") for sample in batch]
+    if isinstance(seqs[0], np.ndarray) and given[0] is None and len({len(s) for s in seqs}) == 1:
+        # Token store blocks (uint16/uint32 rows): one stack and one widening copy.
+        input_ids = torch.from_numpy(np.stack(seqs).astype(np.int64))
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
     lengths = [len(s) for s in seqs]
     longest = max(lengths)
     if min(lengths) == longest:  # packed data: one conversion, no padding

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from core.data.permutation import FeistelPermutation
+
 # Megabatches of this many global batches (optimizer steps) are sorted by length when grouping
 # (as the Hugging Face LengthGroupedSampler does with its mega_batch_mult).
 MEGABATCH_MULT = 50
@@ -171,6 +173,8 @@ class ResumableDistributedSampler(Sampler[int]):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") == BijectiveSampler.KIND:
+            raise ValueError("sampler state is for a token store (data.store), not this dataset")
         if state["num_samples"] != self.num_samples:
             raise ValueError(
                 f"sampler state is for {state['num_samples']} samples, "
@@ -198,4 +202,94 @@ class ResumableDistributedSampler(Sampler[int]):
         self.position = state["position"]
         raw = np.frombuffer(base64.b64decode(state["generator_state"]), dtype=np.uint8)
         self._generator_state = torch.from_numpy(raw.copy())
+        self._order = None
+
+
+class LazyOrder:
+    """An epoch's global order computed on demand, slice by slice (a token store's epoch may hold
+    billions of blocks): `order[a:b]`, `order[a:b:step]`, `order[i]` and `len(order)`."""
+
+    def __init__(self, perm: FeistelPermutation | None, num_samples: int, total_size: int) -> None:
+        self.perm, self.num_samples, self.total_size = perm, num_samples, total_size
+
+    def __len__(self) -> int:
+        return self.total_size
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """The sample ids at these positions of the epoch (wrapping around past num_samples, as
+        padding without drop_last does)."""
+        k = np.asarray(positions, dtype=np.int64) % self.num_samples
+        return k if self.perm is None else self.perm(k)
+
+    def __getitem__(self, key: int | slice) -> Any:
+        if isinstance(key, slice):
+            return self.at(np.arange(*key.indices(self.total_size), dtype=np.int64))
+        if not -self.total_size <= key < self.total_size:
+            raise IndexError(f"position {key} out of range for an epoch of {self.total_size}")
+        return int(self.at(np.array([key % self.total_size]))[0])
+
+
+class BijectiveSampler(ResumableDistributedSampler):
+    """The resumable sampler for data too large for a permutation array (a token store): the
+    epoch's order is a seeded bijection over [0, num_samples) (core/data/permutation.py), keyed
+    by (seed, epoch), computed for the positions asked for. Memory O(1) in num_samples; a resume
+    at any position costs the same. Positions, epochs, global batches and the elastic rules are
+    those of ResumableDistributedSampler; only the order differs (so its state says which kind
+    it is, and the other kind's state is refused)."""
+
+    KIND = "bijection"
+    CHUNK = 1 << 16  # sample ids computed at once while iterating
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("lengths") is not None:
+            raise ValueError("a bijective sampler does not group by length")
+        super().__init__(*args, **kwargs)
+
+    def _order_for_epoch(self) -> LazyOrder:
+        perm = None
+        if self.shuffle:
+            perm = FeistelPermutation(self.num_samples, self.seed, self.epoch)
+        return LazyOrder(perm, self.num_samples, self.total_size)
+
+    def epoch_order(self) -> LazyOrder:  # type: ignore[override]
+        if self._order is None:
+            self._order = self._order_for_epoch()  # type: ignore[assignment]
+        return self._order  # type: ignore[return-value]
+
+    def upcoming(self, count: int) -> list[int]:
+        return self.epoch_order()[self.position : self.position + count].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        if self.position % self.num_replicas:
+            raise RuntimeError(f"position {self.position} is not a multiple of the world size")
+        return self._iterate(self.epoch_order(), self.position + self.rank)
+
+    def _iterate(self, order: LazyOrder, first: int) -> Iterator[int]:
+        step = self.num_replicas
+        for start in range(first, self.total_size, self.CHUNK * step):
+            stop = min(start + self.CHUNK * step, self.total_size)
+            yield from order[start:stop:step].tolist()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.KIND,
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "total_size": self.total_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != self.KIND:
+            raise ValueError(
+                "sampler state is for a permuted dataset, not a token store (data.store)"
+            )
+        for key in ("num_samples", "total_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state is for {key} {state[key]}, this run has {getattr(self, key)}"
+                    " (another token store, eval holdout or global batch)"
+                )
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self._order = None

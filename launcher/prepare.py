@@ -1,0 +1,57 @@
+"""`python -m launcher prepare --config FILE [--section.key VALUE ...]`: tokenise data.source
+into the token store at data.store (core/data/prepare.py); `python -m launcher prepare --verify
+STORE [--config FILE]` checks every shard of a store against its index."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from core.config import ConfigError, load_config
+from core.data.errors import DataError
+from core.data.store import StoreError, verify_store
+from launcher import exit_codes
+from launcher.logs import setup_logging
+
+logger = logging.getLogger("launcher")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher prepare",
+        description="Tokenise data.source into a token store at data.store (resumable: "
+        "relaunch the same command after a kill), or --verify a store. Any config field can be "
+        "overridden as --section.key VALUE.",
+    )
+    parser.add_argument("--config", help="YAML config file (default: configs/tiny.yaml)")
+    parser.add_argument("--verify", metavar="STORE", help="check every shard of STORE")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args, overrides = parser.parse_known_args(argv)
+    setup_logging(0)
+    try:
+        config = load_config(args.config, overrides)
+        if args.verify:
+            index = verify_store(args.verify, config.data.storage_options)
+            print(
+                f"{args.verify}: OK, {len(index.shards)} shard(s), {index.blocks} blocks of "
+                f"{index.seq_len} tokens verified"
+            )
+            return exit_codes.OK
+        from core.data.prepare import StoreWriteError, prepare
+
+        try:
+            prepare(config.data, progress=not args.no_progress and sys.stderr.isatty())
+        except StoreWriteError as e:
+            logger.error("%s", e)
+            return exit_codes.STORAGE
+    except (ConfigError, DataError) as e:
+        logger.error("%s", e)
+        return exit_codes.USAGE
+    except StoreError as e:
+        logger.error("%s", e)
+        return exit_codes.CHECKPOINT
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        return exit_codes.INTERRUPTED
+    return exit_codes.OK
