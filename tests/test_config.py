@@ -56,6 +56,10 @@ def test_public_cli_surface_is_pinned():
         ],
         "data": [
             "source",
+            "store",
+            "storage_options",
+            "shard_bytes",
+            "store_cache_bytes",
             "format",
             "text_field",
             "tokenizer",

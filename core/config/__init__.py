@@ -207,4 +207,9 @@ def dump_config(config: Config) -> str:
     ck["storage_options"] = redact_options(ck["storage_options"])
     if ck["dir"] is not None:
         ck["dir"] = display_url(ck["dir"])
+    data = values["data"]
+    data["storage_options"] = redact_options(data["storage_options"])
+    for key in ("source", "store"):
+        if data[key] is not None:
+            data[key] = display_url(data[key])
     return yaml.safe_dump(values, sort_keys=False)

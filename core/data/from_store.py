@@ -89,8 +89,10 @@ def _check_share(cfg: DataConfig, store: TokenStore, rank: int, world: int) -> N
         return  # trained from the store alone: no sources to compare
     if cfg.source != "stdlib" and is_store(cfg.source, cfg.storage_options):
         return
-    src_fs, sources = resolve_sources(cfg)
     recorded = {s.get("name"): s for s in store.index.sources}
+    if cfg.source == "stdlib" and list(recorded) != ["stdlib"]:
+        return  # data.source left at its default: the store alone is the data
+    src_fs, sources = resolve_sources(cfg)
     names = [s.name for s in sources]
     if sorted(recorded) != sorted(names):
         raise DataError(

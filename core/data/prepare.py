@@ -258,6 +258,10 @@ class _Out:
         self.local = isinstance(fs, LocalFileSystem)
         try:
             fs.makedirs(root, exist_ok=True)
+            if self.local:  # what a killed prepare left half-written (never under a final name)
+                for name in os.listdir(root):
+                    if name.startswith(".") and name.endswith(".tmp"):
+                        os.unlink(os.path.join(root, name))
         except OSError as e:
             raise StoreWriteError(f"prepare: cannot create {where}: {e}") from e
 
@@ -388,22 +392,18 @@ def prepare(cfg: DataConfig, progress: bool = True) -> StoreIndex:
         "tokenizer": tokenizer_identity(cfg, tokenizer),
         "text_field": cfg.text_field,
     }
-    sizes = [{"name": s.name, "bytes": s.bytes} for s in sources]
+    hashed = [
+        {"name": s.name, "bytes": s.bytes, "hash": hash_source(src_fs, s, cfg)} for s in sources
+    ]
     existing = out.read_json(INDEX)
     if existing is not None:
-        same = {k: existing.get(k) for k in settings} == settings and [
-            {"name": s["name"], "bytes": s["bytes"]} for s in existing.get("sources", [])
-        ] == sizes
-        if same:
+        if {k: existing.get(k) for k in settings} == settings and existing.get("sources") == hashed:
             logger.info("prepare: %s is already prepared from these sources", cfg.store)
             return StoreIndex.parse(json.dumps(existing).encode(), cfg.store)
         raise DataError(
             f"data.store: {cfg.store} already holds a store prepared from other sources or "
             "settings; give another data.store, or delete it to prepare again"
         )
-    hashed = [
-        {"name": s.name, "bytes": s.bytes, "hash": hash_source(src_fs, s, cfg)} for s in sources
-    ]
     journal = out.read_json(JOURNAL)
     if journal is not None and (
         journal.get("settings") != settings or journal.get("sources") != hashed

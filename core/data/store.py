@@ -124,6 +124,9 @@ class StoreIndex:
             if not ok:
                 raise StoreError(f"token store {where}: index.json {what}")
 
+        def count(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no count
+
         need(isinstance(raw, dict), "is not an object")
         need(raw.get("format") == FORMAT, f"is not a {FORMAT} index")
         need(raw.get("version") == VERSION, f"has version {raw.get('version')!r}, not {VERSION}")
@@ -131,7 +134,7 @@ class StoreIndex:
         ints = ("seq_len", "blocks_per_shard", "chunk_bytes", "blocks")
         for key in ints:
             value = raw.get(key)
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"{key}")
+            need(count(value) and value > 0, f"{key}")
         need(raw.get("dtype") in DTYPES, f"dtype {raw.get('dtype')!r} is not one of {DTYPES}")
         need(isinstance(raw.get("tokenizer"), dict), "has no tokenizer")
         need(isinstance(raw.get("sources"), list), "has no sources list")
@@ -144,13 +147,16 @@ class StoreIndex:
             last = k == len(shards_raw) - 1
             blocks = s.get("blocks")
             need(
-                isinstance(blocks, int)
+                count(blocks)
                 and 0 < blocks <= raw["blocks_per_shard"]
                 and (last or blocks == raw["blocks_per_shard"]),
                 f"shard {k} has a bad block count {blocks!r}",
             )
             need(s.get("name") == shard_name(k), f"shard {k} is not named {shard_name(k)}")
-            need(s.get("bytes") == blocks * block_bytes, f"shard {k} has a bad size")
+            need(
+                count(s.get("bytes")) and s["bytes"] == blocks * block_bytes,
+                f"shard {k} has a bad size",
+            )
             need(
                 isinstance(s.get("hash"), str) and re.fullmatch(r"[0-9a-f]{64}", s["hash"]),
                 f"shard {k} has a bad hash",
