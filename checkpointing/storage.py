@@ -113,6 +113,12 @@ def redact_options(options: Any) -> Any:
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
+def io_error_types() -> tuple[type[BaseException], ...]:
+    """What a filesystem or object-store call raises when the store fails (not a bug of ours):
+    OSError and the object-store clients' own errors."""
+    return _transient_types()
+
+
 def _transient_types() -> tuple[type[BaseException], ...]:
     types: list[type[BaseException]] = [OSError, TimeoutError]
     try:  # the object-store clients' own base errors, when they are installed

@@ -38,12 +38,19 @@ def main(argv: list[str]) -> int:
                 f"{index.seq_len} tokens verified"
             )
             return exit_codes.OK
-        from core.data.prepare import StoreWriteError, prepare
+        from core.data.prepare import IO_ERRORS, StoreWriteError, prepare
 
         try:
             prepare(config.data, progress=not args.no_progress and sys.stderr.isatty())
         except StoreWriteError as e:
             logger.error("%s", e)
+            return exit_codes.STORAGE
+        except IO_ERRORS as e:  # reading a source: a store or network failure, not bad input
+            logger.error(
+                "prepare: %s: %s; relaunch the same command once it is reachable",
+                type(e).__name__,
+                e,
+            )
             return exit_codes.STORAGE
     except (ConfigError, DataError) as e:
         logger.error("%s", e)

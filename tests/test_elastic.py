@@ -89,14 +89,15 @@ def assert_accounted(before: dict[int, list[int]], after: dict[int, list[int]], 
         assert sorted(ids) == sorted(ref[step]), f"step {step} saw another global batch"
 
 
-def assert_close_run(ref: Path, res: Path) -> None:
+def assert_close_run(ref: Path, res: Path, steps: int = STEPS) -> None:
+    """Losses within LOSS_RTOL and final weights within WEIGHT_ATOL of the reference run's."""
     losses = {m["step"]: m["loss"] for m in read_metrics(ref) if "loss" in m}
     resumed = [m for m in read_metrics(res) if "loss" in m]  # not the eval records
-    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in resumed] == list(range(1, steps + 1))
     for m in resumed:
         assert m["loss"] == pytest.approx(losses[m["step"]], rel=LOSS_RTOL), m["step"]
-    a = load_file(ref / f"checkpoint-{STEPS}" / "model.safetensors")
-    b = load_file(res / f"checkpoint-{STEPS}" / "model.safetensors")
+    a = load_file(ref / f"checkpoint-{steps}" / "model.safetensors")
+    b = load_file(res / f"checkpoint-{steps}" / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=0, atol=WEIGHT_ATOL), k

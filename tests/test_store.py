@@ -351,6 +351,21 @@ def test_cli_store_write_failures_exit_4(corpus, tmp_path, cli, monkeypatch, cap
     assert cli(*cli_args(corpus.jsonl, tmp_path / "store")) == exit_codes.OK
 
 
+def test_cli_unreachable_store_exits_4(corpus, tmp_path, cli, monkeypatch, caplog):
+    pytest.importorskip("s3fs")
+    from tests.conftest import free_port
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x"}.items():
+        monkeypatch.setenv(k, v)
+    options = (
+        f"{{endpoint_url: 'http://127.0.0.1:{free_port()}', skip_instance_cache: true, "
+        "config_kwargs: {retries: {max_attempts: 1}, connect_timeout: 1}}"
+    )
+    args = cli_args(corpus.jsonl, "s3://nowhere/store", "--data.storage_options", options)
+    assert cli(*args) == exit_codes.STORAGE
+    assert "Could not connect" in caplog.text and "s3://nowhere/store" in caplog.text
+
+
 # -- prepare: again, or over another store ----------------------------------------------------
 def test_prepare_again_on_a_finished_store_is_a_no_op(
     corpus, reference, tmp_path, cli, monkeypatch

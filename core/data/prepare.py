@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 from fsspec.implementations.local import LocalFileSystem
 from tqdm import tqdm
 
+from checkpointing.storage import io_error_types
 from core.config import DataConfig
 from core.data.build import encode_bytes, encode_text, token_dtype
 from core.data.errors import DataError
@@ -55,6 +56,7 @@ from core.data.store import (
 from core.data.tokenizers import BYTES_VOCAB, HFTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
+IO_ERRORS = io_error_types()
 
 JOURNAL = "prepare-journal.json"
 CHUNK_BYTES = 1 << 20
@@ -262,7 +264,7 @@ class _Out:
                 for name in os.listdir(root):
                     if name.startswith(".") and name.endswith(".tmp"):
                         os.unlink(os.path.join(root, name))
-        except OSError as e:
+        except IO_ERRORS as e:
             raise StoreWriteError(f"prepare: cannot create {where}: {e}") from e
 
     def path(self, name: str) -> str:
@@ -290,7 +292,7 @@ class _Out:
                     os.close(fd)
             else:
                 self.fs.pipe_file(self.path(name), b"".join(bytes(memoryview(p)) for p in parts))
-        except OSError as e:
+        except IO_ERRORS as e:
             raise StoreWriteError(
                 f"prepare: cannot write {name} to {self.where}: {e}; the shards committed so far "
                 "are kept: relaunch the same command to continue"
@@ -301,7 +303,7 @@ class _Out:
             return json.loads(self.fs.cat_file(self.path(name)))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as e:
+        except (*IO_ERRORS, ValueError) as e:
             raise StoreWriteError(f"prepare: cannot read {name} in {self.where}: {e}") from e
 
     def write_json(self, name: str, value: dict[str, Any]) -> None:
