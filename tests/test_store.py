@@ -194,7 +194,15 @@ def crash_at(monkeypatch, fault: str) -> None:
             raise Killed
         write(self, name, parts)
 
+    def crashing_stream(self, name):
+        if name == fault:
+            Path(self.path(f".{name}.tmp")).write_bytes(b"\xff" * 7)
+            raise Killed
+        return stream(self, name)
+
+    stream = _Out.stream
     monkeypatch.setattr(_Out, "write", crashing)
+    monkeypatch.setattr(_Out, "stream", crashing_stream)
 
 
 # -- prepare: the same blocks as the in-memory pipeline ---------------------------------------
@@ -240,7 +248,7 @@ def test_prepare_resumes_after_a_crash(
     fault, committed, corpus, reference, tmp_path, monkeypatch, caplog
 ):
     cfg = data_cfg(corpus.jsonl, tmp_path / "store")
-    store, write = Path(cfg.store), _Out.write
+    store = Path(cfg.store)
     with monkeypatch.context() as m:
         crash_at(m, fault)
         with pytest.raises(Killed):
@@ -250,13 +258,14 @@ def test_prepare_resumes_after_a_crash(
     assert len(journal["shards"]) == committed
     written: list[str] = []
 
-    def recording(self, name, parts):
+    def recording(self, name):
         written.append(name)
-        write(self, name, parts)
+        return stream(self, name)
 
+    stream = _Out.stream
     caplog.set_level(logging.INFO)
     with monkeypatch.context() as m:
-        m.setattr(_Out, "write", recording)
+        m.setattr(_Out, "stream", recording)
         prepare(cfg, progress=False)
     assert f"continuing after {committed} committed shard(s)" in caplog.text
     shards = [n for n in written if n.endswith(".bin")]

@@ -138,7 +138,9 @@ def test_store_resumes_on_one_rank_then_on_two(store, ref, tmp_path):
     ref_ids = sample_ids(ref_out)
     one = tmp_path / "one"
     seed_resume_dir(ref_dir, one, SAVED)
-    resumed = run_launcher(one, None, *train_args(store)[2:], config=TINY)
+    resumed = run_launcher(
+        one, None, *train_args(store, "--data.num_workers", "0")[2:], config=TINY
+    )
     assert resumed.returncode == 0, resumed.output
     assert "keeps the global batch at 16" in resumed.output
     after = sample_ids(resumed.output)
@@ -163,9 +165,10 @@ def test_store_on_s3_resumes_exactly(store, ref, tmp_path):
 
     server = S3Server()
     try:
-        url = server.bucket("corpus") + "/tokens"
+        url = server.bucket("distributed-store") + "/tokens"
         server.fs().put(str(store) + "/", url[len("s3://") :], recursive=True)
         args = train_args(store, "--data.store", url, "--data.store_cache_bytes", "20000")
+        args += ("--data.num_workers", "0")  # read in the loop (StoreBatches), not by workers
         resumed = tmp_path / "s3resumed"
         seed_resume_dir(ref[0], resumed, SAVED)  # saved by a run from the local store
         output = launch(resumed, args, server.env())

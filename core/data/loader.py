@@ -16,7 +16,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from core.data.sampler import ResumableDistributedSampler
+from core.data.collate import collate
+from core.data.sampler import BijectiveSampler, ResumableDistributedSampler
+from core.data.store import TokenStore
 from core.data.stream import StreamPosition
 
 
@@ -58,6 +60,14 @@ def make_dataloader(
     (in order: batches come out in the order their ids went in)."""
     generator = torch.Generator()
     generator.manual_seed(derive_seed(seed, sampler.epoch, rank))
+    store = _whole_store(dataset)
+    if (
+        store is not None
+        and isinstance(sampler, BijectiveSampler)
+        and num_workers == 0
+        and collate_fn is collate
+    ):
+        return StoreBatches(store[0], store[1], sampler, drop_last, pin_memory, drawn)  # type: ignore[return-value]
     if isinstance(sampler, StreamPosition):
         # One reader per rank: workers would each replay the stream.
         return DataLoader(
@@ -95,3 +105,58 @@ class _Recorded:
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+
+def _whole_store(dataset: Any) -> tuple[TokenStore, int] | None:
+    """(store, offset of sample 0) when `dataset` is a token store or a contiguous range of one
+    (the training part of an eval holdout split)."""
+    if isinstance(dataset, TokenStore):
+        return dataset, 0
+    inner = getattr(dataset, "dataset", None)
+    indices = getattr(dataset, "indices", None)
+    if isinstance(inner, TokenStore) and isinstance(indices, range) and indices.step == 1:
+        return inner, indices.start
+    return None
+
+
+class StoreBatches:
+    """Batches of a token store without a DataLoader (no worker processes): the sampler's ids
+    come as arrays, each batch is one read of the memory map (or verified byte ranges) and one
+    widening copy, the batch `collate` would build ({"input_ids", "labels"}, int64). A
+    DataLoader costs ~30 us and a Python int per sample per batch; with data.num_workers > 0 the
+    DataLoader is used (reading then runs in the workers)."""
+
+    def __init__(
+        self,
+        store: TokenStore,
+        offset: int,
+        sampler: BijectiveSampler,
+        drop_last: bool,
+        pin_memory: bool,
+        drawn: deque[int] | None,
+    ) -> None:
+        self.store, self.offset, self.sampler = store, offset, sampler
+        self.drop_last, self.pin_memory, self.drawn = drop_last, pin_memory, drawn
+
+    def __len__(self) -> int:
+        return self.sampler.batches_per_epoch(self.drop_last)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        b = self.sampler.batch_size
+        pending = np.zeros(0, dtype=np.int64)
+        for ids in self.sampler.rank_chunks():
+            pending = np.concatenate([pending, ids]) if len(pending) else ids
+            full = len(pending) // b * b
+            for start in range(0, full, b):
+                yield self._batch(pending[start : start + b])
+            pending = pending[full:]
+        if len(pending) and not self.drop_last:
+            yield self._batch(pending)
+
+    def _batch(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
+        if self.drawn is not None:
+            self.drawn.extend(ids.tolist())
+        input_ids = torch.from_numpy(self.store.read(ids + self.offset).astype(np.int64))
+        if self.pin_memory:
+            input_ids = input_ids.pin_memory()
+        return {"input_ids": input_ids, "labels": input_ids.clone()}

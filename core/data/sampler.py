@@ -265,10 +265,21 @@ class BijectiveSampler(ResumableDistributedSampler):
         return self._iterate(self.epoch_order(), self.position + self.rank)
 
     def _iterate(self, order: LazyOrder, first: int) -> Iterator[int]:
+        for ids in self._chunks(order, first):
+            yield from ids.tolist()
+
+    def _chunks(self, order: LazyOrder, first: int) -> Iterator[np.ndarray]:
         step = self.num_replicas
         for start in range(first, self.total_size, self.CHUNK * step):
             stop = min(start + self.CHUNK * step, self.total_size)
-            yield from order[start:stop:step].tolist()
+            yield order[start:stop:step]
+
+    def rank_chunks(self) -> Iterator[np.ndarray]:
+        """This rank's ids from the current position, as arrays (what __iter__ yields one by
+        one): a loader that reads whole batches needs no Python int per sample."""
+        if self.position % self.num_replicas:
+            raise RuntimeError(f"position {self.position} is not a multiple of the world size")
+        return self._chunks(self.epoch_order(), self.position + self.rank)
 
     def state_dict(self) -> dict[str, Any]:
         return {

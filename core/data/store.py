@@ -330,10 +330,14 @@ class TokenStore(Dataset):
         self._open()
         ids = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64)
         n = self.index.blocks
-        if ids.size and (ids.min() < 0 or ids.max() >= n):
-            raise IndexError(f"block {int(ids.max())} out of range for a store of {n}")
-        out = np.empty((len(ids), self.index.seq_len), dtype=self.index.dtype)
+        low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+        if low < 0 or high >= n:
+            raise IndexError(f"block {high if high >= n else low} out of range for {n} blocks")
         per = self.index.blocks_per_shard
+        if self._local and low // per == high // per:  # one shard: one fancy index
+            k = low // per
+            return self._map(k)[ids - k * per] if k else self._map(0)[ids]
+        out = np.empty((len(ids), self.index.seq_len), dtype=self.index.dtype)
         shard_of = ids // per
         for k in np.unique(shard_of).tolist():
             rows = np.flatnonzero(shard_of == k)
