@@ -86,6 +86,24 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
         ["--reps", "1", *SMALL_MODEL],
         ["deepspeed_save"],
     ),
+    "store_read": (
+        "store_read.py",
+        [],
+        ["--mb", "1", "--reps", "1", "--epochs", "1"],
+        ["store_read"],
+    ),
+    "store_resume_jump": (
+        "store_resume.py",
+        [],
+        ["--reps", "1", "--far", "20", "--blocks", "4096"],
+        ["store_resume_jump"],
+    ),
+    "store_prepare": (
+        "store_prepare.py",
+        [],
+        ["--mb", "0.5", "--train-mb", "0.5", "--vocab", "1000", "--reps", "1", "--rss-scale", "2"],
+        ["prepare_throughput", "prepare_scaling", "prepare_peak_rss"],
+    ),
 }
 
 

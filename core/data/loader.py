@@ -156,7 +156,8 @@ class StoreBatches:
     def _batch(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
         if self.drawn is not None:
             self.drawn.extend(ids.tolist())
-        input_ids = torch.from_numpy(self.store.read(ids + self.offset).astype(np.int64))
+        rows = self.store.read_sampled(ids + self.offset if self.offset else ids)
+        input_ids = torch.from_numpy(rows.astype(np.int64))
         if self.pin_memory:
             input_ids = input_ids.pin_memory()
         return {"input_ids": input_ids, "labels": input_ids.clone()}
