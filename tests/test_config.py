@@ -216,3 +216,15 @@ def test_text_overrides_keep_yaml_words_and_mappings_still_parse():
         "model": {"kwargs": {"a": 1}},
         "checkpoint": {"best_metric": None},
     }
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("group_by_length", True, "nothing to group"),
+        ("packing", False, "packed blocks"),
+    ],
+)
+def test_a_token_store_refuses_what_fixed_blocks_cannot_do(key, value, message):
+    with pytest.raises(ConfigError, match=f"data.{key}: .*{message}"):
+        load_config(None, ["--data.store", "/tmp/any-store", f"--data.{key}", str(value).lower()])

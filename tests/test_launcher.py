@@ -66,3 +66,12 @@ def test_bad_config_under_torchrun_fails_without_hanging(tmp_path):
     assert len(worker_errors) == 1 and "optim.name: unknown value 'adam'" in worker_errors[0]
     assert "(exitcode: 2)" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_help_lists_every_command(tmp_path):
+    from tests.launch import launcher_cmd, run
+
+    result = run(launcher_cmd(None, ["--help"]), cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.output
+    for command in ("prepare --config FILE", "prepare --verify STORE", "status RUN_DIR", "plot"):
+        assert command in result.output
