@@ -38,7 +38,8 @@ def main(argv: list[str]) -> int:
                 f"{index.seq_len} tokens verified"
             )
             return exit_codes.OK
-        from core.data.prepare import IO_ERRORS, StoreWriteError, prepare
+        from core.data.prepare import prepare
+        from core.data.writer import IO_ERRORS, StoreWriteError
 
         try:
             prepare(config.data, progress=not args.no_progress and sys.stderr.isatty())

@@ -26,10 +26,12 @@ import pytest
 
 import core.data.prepare as prepare_mod
 import core.data.store as store_mod
+import core.data.writer as writer_mod
 from core.config import DataConfig
 from core.data import DataError, build_dataset
-from core.data.prepare import JOURNAL, StoreWriteError, _Out, prepare
+from core.data.prepare import prepare
 from core.data.store import INDEX, StoreError, StoreIndex, TokenStore, verify_store
+from core.data.writer import JOURNAL, StoreWriteError, _Out
 from launcher import exit_codes
 from launcher import prepare as prepare_cli
 from tests.launch import child_env, kill_tree, launcher_cmd, run
@@ -324,7 +326,7 @@ def fill_disk_at(monkeypatch, name: str) -> None:
             return FullDisk(path, "wb")
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(prepare_mod, "open", fake_open, raising=False)
+    monkeypatch.setattr(writer_mod, "open", fake_open, raising=False)
 
 
 @pytest.mark.parametrize(
