@@ -72,12 +72,14 @@ def ours(corpus: Path, tokenizer: Path, num_proc: int, seq_len: int) -> dict:
 
     from core.config import load_config
     from core.data.prepare import prepare
+    from launcher.prepare import share_cores
 
     with tempfile.TemporaryDirectory(prefix="prepare_store_") as store:
         flags = ["--data.source", str(corpus), "--data.store", store]
         flags += ["--data.tokenizer", f"hf:{tokenizer}", "--data.num_proc", str(num_proc)]
         flags += ["--data.seq_len", str(seq_len), "--model.block_size", str(seq_len)]
         cfg = load_config(None, flags).data
+        share_cores(cfg.num_proc)  # as `python -m launcher prepare` does
         t0 = time.perf_counter()
         index = prepare(cfg, progress=False)
         seconds = time.perf_counter() - t0

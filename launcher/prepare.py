@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from core.config import ConfigError, load_config
@@ -15,6 +16,15 @@ from launcher import exit_codes
 from launcher.logs import setup_logging
 
 logger = logging.getLogger("launcher")
+
+
+def share_cores(workers: int) -> None:
+    """Size the Hugging Face tokenizers' thread pool (Rust rayon, read once from the environment
+    when it starts) so that `workers` tokenising processes x their threads = the cores: without
+    it each of N workers starts one thread per core and they fight over the cores. Spawned workers
+    inherit the environment; a value the user set is kept."""
+    if workers > 1 and "RAYON_NUM_THREADS" not in os.environ:
+        os.environ["RAYON_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
 
 
 def main(argv: list[str]) -> int:
@@ -41,6 +51,7 @@ def main(argv: list[str]) -> int:
         from core.data.prepare import prepare
         from core.data.writer import IO_ERRORS, StoreWriteError
 
+        share_cores(config.data.num_proc)
         try:
             prepare(config.data, progress=not args.no_progress and sys.stderr.isatty())
         except StoreWriteError as e:

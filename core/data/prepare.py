@@ -163,9 +163,7 @@ def pieces(fs: Any, sources: list[Source], piece_bytes: int) -> Iterator[Piece]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(cfg: DataConfig, sources: list[Source], threads: int = 0) -> None:
-    if threads:  # before the tokenizer's thread pool starts: workers x threads = the cores
-        os.environ["RAYON_NUM_THREADS"] = str(threads)
+def _init_worker(cfg: DataConfig, sources: list[Source]) -> None:
     fs = None if cfg.source == "stdlib" else open_fs(cfg.source, cfg.storage_options)[0]
     _WORKER.update(cfg=cfg, sources=sources, fs=fs, tokenizer=load_tokenizer(cfg))
 
@@ -364,8 +362,9 @@ def _tokenized(
     # spawn: the parent may hold threads (tokenizers', fsspec's event loop) that fork would copy
     # mid-operation.
     context = mp.get_context("spawn")
-    threads = max(1, (os.cpu_count() or 1) // procs)
-    with ProcessPoolExecutor(procs, context, _init_worker, (cfg, sources, threads)) as pool:
+    # Each worker's tokenizer thread pool is sized by the environment it inherits
+    # (launcher.prepare.share_cores: workers x threads = the cores); core reads no environment.
+    with ProcessPoolExecutor(procs, context, _init_worker, (cfg, sources)) as pool:
         window: deque[tuple[int, Future]] = deque()
         pending = iter(todo)
         for p in pending:
