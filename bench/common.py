@@ -9,7 +9,11 @@ the figures alone. `python -m bench` runs every benchmark and checks each figure
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 FIGURE_KEYS = ("name", "value", "unit", "ratio_to", "ratio", "config")
@@ -45,3 +49,21 @@ def detail(name: str, **fields: Any) -> None:
 
 def is_figure(line: dict[str, Any]) -> bool:
     return all(k in line for k in FIGURE_KEYS) and isinstance(line["config"], dict)
+
+
+def alternating(rep: int, first: Any, second: Any) -> tuple[Any, Any]:
+    """The two sides of a paired measurement, in turn first and second (drift hits both)."""
+    return (first, second) if rep % 2 == 0 else (second, first)
+
+
+@contextmanager
+def resume_copy(root: Path, step: int, rep: int) -> Iterator[Path]:
+    """A fresh run directory holding only a copy of `root`/long/checkpoint-<step>, for one timed
+    resume of it; removed afterwards."""
+    run_dir = root / f"resume-{step}-{rep}"
+    run_dir.mkdir()
+    shutil.copytree(root / "long" / f"checkpoint-{step}", run_dir / f"checkpoint-{step}")
+    try:
+        yield run_dir
+    finally:
+        shutil.rmtree(run_dir)

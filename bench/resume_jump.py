@@ -11,7 +11,6 @@ medians; the ratio should be <= 1.1 (the sampler jumps, it does not iterate skip
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.common import detail, figure  # noqa: E402
+from bench.common import alternating, detail, figure, resume_copy  # noqa: E402
 from core.callbacks import TrainerCallback  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.loop import DistInfo  # noqa: E402
@@ -112,14 +111,9 @@ def main() -> None:
         detail("resume_jump_setup_s", value=time.perf_counter() - t0)
         times: dict[int, list[float]] = {NEAR: [], args.far: []}
         for rep in range(args.reps):
-            for step in (NEAR, args.far) if rep % 2 == 0 else (args.far, NEAR):
-                run_dir = root / f"resume-{step}-{rep}"
-                run_dir.mkdir()
-                shutil.copytree(
-                    root / "long" / f"checkpoint-{step}", run_dir / f"checkpoint-{step}"
-                )
-                times[step].append(time_to_first_step(run_dir, step, args.far))
-                shutil.rmtree(run_dir)
+            for step in alternating(rep, NEAR, args.far):
+                with resume_copy(root, step, rep) as run_dir:
+                    times[step].append(time_to_first_step(run_dir, step, args.far))
     near, far = statistics.median(times[NEAR]), statistics.median(times[args.far])
     figure(
         "resume_jump",

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.common import detail, figure  # noqa: E402
+from bench.common import alternating, detail, figure, resume_copy  # noqa: E402
 from bench.loop_overhead import child_env  # noqa: E402
 from core.callbacks import TrainerCallback  # noqa: E402
 from core.config import load_config  # noqa: E402
@@ -187,15 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         flags = overrides(store, args.seq_len, args.far)
         runs: dict[int, list[dict]] = {NEAR: [], args.far: []}
         for rep in range(args.reps):
-            for step in (NEAR, args.far) if rep % 2 == 0 else (args.far, NEAR):
-                run_dir = root / f"resume-{step}-{rep}"
-                run_dir.mkdir()
-                shutil.copytree(
-                    root / "long" / f"checkpoint-{step}", run_dir / f"checkpoint-{step}"
-                )
-                runs[step].append(time_to_first_step(run_dir, step, flags, env))
+            for step in alternating(rep, NEAR, args.far):
+                with resume_copy(root, step, rep) as run_dir:
+                    runs[step].append(time_to_first_step(run_dir, step, flags, env))
                 detail("store_resume_run", step=step, rep=rep, **runs[step][-1])
-                shutil.rmtree(run_dir)
     near = statistics.median(r["seconds"] for r in runs[NEAR])
     far = statistics.median(r["seconds"] for r in runs[args.far])
     verify = [r["verify_s"] for rs in runs.values() for r in rs if r["verify_s"] is not None]
