@@ -34,28 +34,9 @@ PER_EPOCH = (625 - 33) // 16  # 37 steps: the run crosses into epoch 1
 TINY = str(REPO / "configs" / "tiny.yaml")
 
 
-def prepare_cmd(store: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "launcher",
-        "prepare",
-        "--config",
-        TINY,
-        "--data.store",
-        str(store),
-        "--data.max_bytes",
-        "20000",
-        "--data.seq_len",
-        "32",
-        "--data.shard_bytes",
-        "4096",  # 64 blocks a shard: ten shards
-        *extra,
-    ]
-
-
-def train_args(store: Path, *extra: str) -> tuple[str, ...]:
-    """A 2-rank run from the store: 2 DataLoader workers, accumulation 2, global batch 16."""
+def store_flags(store: Path) -> tuple[str, ...]:
+    """The store and the corpus and block length it is prepared with: prepare and training
+    give the same ones."""
     return (
         "--config",
         TINY,
@@ -65,6 +46,26 @@ def train_args(store: Path, *extra: str) -> tuple[str, ...]:
         "20000",
         "--data.seq_len",
         "32",
+    )
+
+
+def prepare_cmd(store: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "launcher",
+        "prepare",
+        *store_flags(store),
+        "--data.shard_bytes",
+        "4096",  # 64 blocks a shard: ten shards
+        *extra,
+    ]
+
+
+def train_args(store: Path, *extra: str) -> tuple[str, ...]:
+    """A 2-rank run from the store: 2 DataLoader workers, accumulation 2, global batch 16."""
+    return (
+        *store_flags(store),
         "--data.num_workers",
         "2",
         "--train.per_device_batch_size",
