@@ -67,12 +67,6 @@ def digest(data: bytes | memoryview) -> bytes:
     return blake3.blake3(data).digest()
 
 
-def chunk_sums(data: bytes | memoryview | np.ndarray, chunk_bytes: int) -> bytes:
-    """The .sum content for `data`: the digest of every chunk_bytes chunk, concatenated."""
-    view = memoryview(data).cast("B")
-    return b"".join(digest(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes))
-
-
 @dataclass(frozen=True)
 class Shard:
     name: str
@@ -222,6 +216,16 @@ def _read_sums(fs: Any, root: str, index: StoreIndex, k: int, where: str) -> byt
     return sums
 
 
+def _check_chunk(sums: bytes, j: int, chunk: bytes, index: StoreIndex, k: int, where: str) -> None:
+    """Raise StoreError unless chunk j of shard k has the digest its .sum lists."""
+    if digest(chunk) != sums[j * DIGEST_BYTES : (j + 1) * DIGEST_BYTES]:
+        c = index.chunk_bytes
+        raise StoreError(
+            f"token store {where}: {index.shards[k].name} differs from index.json at bytes "
+            f"{j * c}..{j * c + len(chunk)} (altered)"
+        )
+
+
 def verify_shard(fs: Any, root: str, index: StoreIndex, k: int, where: str, full: bool) -> None:
     """Raise StoreError unless shard k is as the index says: size and chunk list always, every
     chunk's digest with `full`."""
@@ -238,15 +242,9 @@ def verify_shard(fs: Any, root: str, index: StoreIndex, k: int, where: str, full
     sums = _read_sums(fs, root, index, k, where)
     if not full:
         return
-    c = index.chunk_bytes
     with fs.open(path, "rb") as f:
-        for i in range(len(sums) // DIGEST_BYTES):
-            chunk = f.read(c)
-            if digest(chunk) != sums[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]:
-                raise StoreError(
-                    f"token store {where}: {shard.name} differs from index.json at bytes "
-                    f"{i * c}..{i * c + len(chunk)} (altered)"
-                )
+        for j in range(len(sums) // DIGEST_BYTES):
+            _check_chunk(sums, j, f.read(index.chunk_bytes), index, k, where)
 
 
 def verify_store(
@@ -262,8 +260,7 @@ def verify_store(
     fs, root = open_fs(url, storage_options)
     todo = list(range(len(index.shards)) if shards is None else shards)
     with ThreadPoolExecutor(max(1, min(threads, len(todo) or 1))) as pool:
-        for result in pool.map(lambda k: verify_shard(fs, root, index, k, url, full), todo):
-            del result
+        list(pool.map(lambda k: verify_shard(fs, root, index, k, url, full), todo))
     return index
 
 
@@ -390,11 +387,7 @@ class TokenStore(Dataset):
             for (_, j), blob in zip(missing, blobs, strict=True):
                 if isinstance(blob, Exception):
                     raise blob
-                if digest(blob) != self._sums[k][j * DIGEST_BYTES : (j + 1) * DIGEST_BYTES]:
-                    raise StoreError(
-                        f"token store {self.url}: {ix.shards[k].name} differs from index.json "
-                        f"at bytes {j * c}..{j * c + len(blob)} (altered)"
-                    )
+                _check_chunk(self._sums[k], j, blob, ix, k, self.url)
                 have[(k, j)] = blob
                 self._remember((k, j), blob)
         for key in needed:
