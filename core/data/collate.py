@@ -10,6 +10,15 @@ import torch
 from core.data.pack import IGNORE
 
 
+def block_batch(rows: np.ndarray, pin_memory: bool = False) -> dict[str, torch.Tensor]:
+    """The batch of equal-length token rows without labels (token store blocks, uint16/uint32):
+    one widening copy to int64 input_ids, labels a copy of them."""
+    input_ids = torch.from_numpy(rows.astype(np.int64))
+    if pin_memory:
+        input_ids = input_ids.pin_memory()
+    return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
 def collate(batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Stack samples into `input_ids` and `labels` LongTensors of shape [B, T], T the longest.
 
@@ -20,9 +29,7 @@ def collate(batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     seqs = [sample["input_ids"] for sample in batch]
     given = [sample.get("labels") for sample in batch]
     if isinstance(seqs[0], np.ndarray) and given[0] is None and len({len(s) for s in seqs}) == 1:
-        # Token store blocks (uint16/uint32 rows): one stack and one widening copy.
-        input_ids = torch.from_numpy(np.stack(seqs).astype(np.int64))
-        return {"input_ids": input_ids, "labels": input_ids.clone()}
+        return block_batch(np.stack(seqs))
     lengths = [len(s) for s in seqs]
     longest = max(lengths)
     if min(lengths) == longest:  # packed data: one conversion, no padding

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from core.data.collate import collate
+from core.data.collate import block_batch, collate
 from core.data.sampler import BijectiveSampler, ResumableDistributedSampler
 from core.data.store import TokenStore
 from core.data.stream import StreamPosition
@@ -157,7 +157,4 @@ class StoreBatches:
         if self.drawn is not None:
             self.drawn.extend(ids.tolist())
         rows = self.store.read_sampled(ids + self.offset if self.offset else ids)
-        input_ids = torch.from_numpy(rows.astype(np.int64))
-        if self.pin_memory:
-            input_ids = input_ids.pin_memory()
-        return {"input_ids": input_ids, "labels": input_ids.clone()}
+        return block_batch(rows, self.pin_memory)
