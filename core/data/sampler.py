@@ -17,6 +17,7 @@ very same stream of samples (see "Changing the number of workers" in the README)
 from __future__ import annotations
 
 import base64
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -260,19 +261,7 @@ class BijectiveSampler(ResumableDistributedSampler):
         return self.epoch_order()[self.position : self.position + count].tolist()
 
     def __iter__(self) -> Iterator[int]:
-        if self.position % self.num_replicas:
-            raise RuntimeError(f"position {self.position} is not a multiple of the world size")
-        return self._iterate(self.epoch_order(), self.position + self.rank)
-
-    def _iterate(self, order: LazyOrder, first: int) -> Iterator[int]:
-        for ids in self._chunks(order, first):
-            yield from ids.tolist()
-
-    def _chunks(self, order: LazyOrder, first: int) -> Iterator[np.ndarray]:
-        step = self.num_replicas
-        for start in range(first, self.total_size, self.CHUNK * step):
-            stop = min(start + self.CHUNK * step, self.total_size)
-            yield order[start:stop:step]
+        return itertools.chain.from_iterable(ids.tolist() for ids in self.rank_chunks())
 
     def rank_chunks(self) -> Iterator[np.ndarray]:
         """This rank's ids from the current position, as arrays (what __iter__ yields one by
@@ -280,6 +269,12 @@ class BijectiveSampler(ResumableDistributedSampler):
         if self.position % self.num_replicas:
             raise RuntimeError(f"position {self.position} is not a multiple of the world size")
         return self._chunks(self.epoch_order(), self.position + self.rank)
+
+    def _chunks(self, order: LazyOrder, first: int) -> Iterator[np.ndarray]:
+        step = self.num_replicas
+        for start in range(first, self.total_size, self.CHUNK * step):
+            stop = min(start + self.CHUNK * step, self.total_size)
+            yield order[start:stop:step]
 
     def state_dict(self) -> dict[str, Any]:
         return {
