@@ -16,6 +16,7 @@ from checkpointing.hf_export import DEFAULT_MAX_SHARD_SIZE, HF_ENTRY, HFFiles, w
 from checkpointing.manager import TMP_PREFIX
 from checkpointing.manifest import CheckpointError, list_checkpoints, verify
 from checkpointing.serialize import load_state, write_safetensors
+from checkpointing.sharded import read_entry
 from checkpointing.storage import Storage, open_storage
 
 
@@ -91,7 +92,7 @@ def cmd_export(
                 )
             state = deepspeed_weights(local, manifest)
         else:
-            state = load_state(where, "model", manifest.files)
+            state = read_entry(where, manifest, "model")  # FSDP's pieces assembled
         if hf:
             files = HFFiles({})
             files.load_state_dict(load_state(where, HF_ENTRY, manifest.files))

@@ -243,9 +243,10 @@ class CheckpointManager:
                 entry.obj.save_to(folder)
                 directories.append(name)
                 continue
-            if not entry.per_rank and self.rank != 0:
+            if not entry.rank_files and self.rank != 0:
                 continue
-            file = rank_name(name, self.rank) if entry.per_rank else name
+            # A sharded entry's DTensors encode as pieces: each rank writes only its own.
+            file = rank_name(name, self.rank) if entry.rank_files else name
             structure, tensors, live = encode_views(entry.obj.state_dict())
             if stage:
                 tensors = self._staging.stage(file, tensors, live)

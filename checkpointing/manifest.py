@@ -38,7 +38,8 @@ class Manifest:
     files: dict[str, dict[str, Any]]
     """Relative path -> {"size": bytes, "sha256": hex digest} of every file but the manifest."""
     entries: dict[str, str]
-    """State name -> "global" (written once, by rank 0) or "per_rank"."""
+    """State name -> "global" (written once, by rank 0), "per_rank", "sharded" (each rank's
+    pieces of distributed tensors) or "directory" (an engine's own files)."""
     checks: dict[str, Any] = field(default_factory=dict)
     """Values recomputed after loading (lr, next sample ids, per-rank RNG fingerprints)."""
     created: float = 0.0

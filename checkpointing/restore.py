@@ -25,6 +25,7 @@ from checkpointing.manifest import (
     verify_file,
 )
 from checkpointing.serialize import StateFormatError, load_state
+from checkpointing.sharded import SavedState, piece_bases
 from checkpointing.stateful import Entry, rank_name, split_by_size
 from checkpointing.storage import Storage, digest_stream, open_storage, retrying
 
@@ -164,7 +165,11 @@ class Restorer:
             raise CheckpointError(f"{where.display()}: holds no state for {', '.join(required)}")
         entries = {n: e for n, e in entries.items() if n not in missing}
         if manifest.world_size != self.world_size:
-            bound = sorted(n for n, e in entries.items() if e.kind != "global" and not e.elastic)
+            bound = sorted(
+                n
+                for n, e in entries.items()
+                if e.kind in ("per_rank", "directory") and not e.elastic
+            )
             if bound:
                 raise CheckpointError(
                     f"{where.display()}: saved by {manifest.world_size} ranks, this run has "
@@ -178,9 +183,12 @@ class Restorer:
                     )
                 self._load_directory(where, manifest, name, entry.obj)
                 continue
+            if "sharded" in (entry.kind, manifest.entries[name]):
+                self._load_sharded(where, manifest, name, entry)
+                continue
             file_name = (
                 rank_name(name, source_rank(self.rank, manifest.world_size))
-                if entry.per_rank
+                if entry.rank_files
                 else name
             )
             try:
@@ -191,6 +199,28 @@ class Restorer:
                 entry.obj.load_state_dict(state)
             except ValueError as e:  # the state does not fit this run (sizes, shapes)
                 raise CheckpointError(f"{where.display()}: {name}: {e}") from e
+
+    def _load_sharded(self, where: Storage, manifest: Manifest, name: str, entry: Entry) -> None:
+        """A sharded entry (or one saved sharded): read by regions, on any number of ranks."""
+        saved_kind = manifest.entries[name]
+        if saved_kind not in ("sharded", "global"):
+            raise CheckpointError(f"{where.display()}: {name} is a {saved_kind} entry there")
+        try:
+            if saved_kind == "sharded":
+                bases = piece_bases(name, manifest.files, manifest.world_size)
+                saved = SavedState(
+                    where, manifest.files, bases, source_rank(self.rank, manifest.world_size)
+                )
+            else:
+                saved = SavedState(where, manifest.files, [name], 0)
+            if entry.kind == "sharded":
+                entry.obj.load_pieces(saved)
+            else:
+                entry.obj.load_state_dict(saved.full())
+        except StateFormatError as e:
+            raise CheckpointCorruptError(f"refusing to load: {e}") from e
+        except ValueError as e:  # the state does not fit this run (names, shapes, dtypes)
+            raise CheckpointError(f"{where.display()}: {name}: {e}") from e
 
     def _load_directory(self, where: Storage, manifest: Manifest, name: str, obj: Any) -> None:
         local = where.local_path(name)
@@ -218,7 +248,7 @@ def source_rank(rank: int, saved_world_size: int) -> int:
 def rank_owner(rel: str, entries: dict[str, str]) -> int | None:
     """The rank whose per-rank file `rel` is (`<name>/rank-<r>.<ext>`), else None."""
     head, _, tail = rel.partition("/")
-    if entries.get(head) != "per_rank" or not tail.startswith("rank-"):
+    if entries.get(head) not in ("per_rank", "sharded") or not tail.startswith("rank-"):
         return None
     digits = tail[len("rank-") :].split(".", 1)[0]
     return int(digits) if digits.isdigit() else None

@@ -13,7 +13,7 @@ import json
 import os
 import struct
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,8 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors_bytes
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from checkpointing.storage import (
     FileDigest,
@@ -32,7 +34,9 @@ from checkpointing.storage import (
 )
 
 TENSOR, TUPLE, DICT = "__tensor__", "__tuple__", "__dict__"
-_MARKERS = (TENSOR, TUPLE, DICT)
+PIECE = "__piece__"
+"""One rank's piece of a sharded tensor (a DTensor): its global shape, offsets and dtype."""
+_MARKERS = (TENSOR, TUPLE, DICT, PIECE)
 _SCALARS = (bool, int, float, str, type(None))
 # Reserved by the safetensors header for free-form metadata; never a tensor name.
 _ST_METADATA = "__metadata__"
@@ -113,7 +117,27 @@ class _Encoder:
         self._views[view] = key
         return {TENSOR: key}
 
+    def _piece(self, t: DTensor, path: list[str]) -> dict[str, Any]:
+        """This rank's piece of a sharded tensor and where it sits in the whole: the
+        description a load on any number of ranks reads (see checkpointing/sharded.py)."""
+        local = t.to_local()
+        # The DTensor layout's own arithmetic (torch.distributed.checkpoint uses it too).
+        shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if tuple(shape) != tuple(local.shape):
+            raise TypeError(
+                f"cannot save {'.'.join(path)}: a DTensor whose local shape "
+                f"{tuple(local.shape)} is not its layout's {tuple(shape)}"
+            )
+        return {
+            "shape": list(t.shape),
+            "offsets": [int(o) for o in offsets],
+            "dtype": _DTYPES[t.dtype],
+            "tensor": self._tensor(local, path),
+        }
+
     def __call__(self, obj: Any, path: list[str]) -> Any:
+        if isinstance(obj, DTensor):
+            return {PIECE: self._piece(obj, path)}
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, path)
         if isinstance(obj, _SCALARS):
@@ -164,26 +188,47 @@ def encode_views(state: Any) -> tuple[Any, dict[str, torch.Tensor], set[str]]:
 def decode(structure: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     """Inverse of `encode`: `decode(*encode(x))` equals `x`, tied tensors are one object again.
 
-    Raises StateFormatError for a malformed marker or a missing tensor key.
+    Raises StateFormatError for a malformed marker, a missing tensor key, or a piece of a
+    sharded tensor (read those with checkpointing.sharded).
     """
+
+    def leaf(marker: str, value: Any, path: list[str]) -> Any:
+        if marker == PIECE:
+            raise StateFormatError(f"{'.'.join(path)} is one rank's piece of a sharded tensor")
+        return tensors[value]
+
+    return decode_with(structure, leaf)
+
+
+def decode_with(structure: Any, leaf: Callable[[str, Any, list[str]], Any]) -> Any:
+    """`decode` with `leaf(marker, value, path)` standing in for every tensor (TENSOR) or piece
+    (PIECE) node; `path` is the node's keys from the root, as strings."""
+    return _decode(structure, leaf, [])
+
+
+def _decode(structure: Any, leaf: Callable[[str, Any, list[str]], Any], path: list[str]) -> Any:
     if isinstance(structure, list):
-        return [decode(v, tensors) for v in structure]
+        return [_decode(v, leaf, [*path, str(i)]) for i, v in enumerate(structure)]
     if not isinstance(structure, dict):
         return structure
     if len(structure) == 1:
         ((marker, value),) = structure.items()
         try:
-            if marker == TENSOR:
-                return tensors[value]
+            if marker in (TENSOR, PIECE):
+                return leaf(marker, value, path)
             if marker == TUPLE:
-                return tuple(decode(v, tensors) for v in value)
+                return tuple(_decode(v, leaf, [*path, str(i)]) for i, v in enumerate(value))
             if marker == DICT:
-                return {decode(k, tensors): decode(v, tensors) for k, v in value}
+                out = {}
+                for k, v in value:
+                    key = _decode(k, leaf, [*path, "key"])
+                    out[key] = _decode(v, leaf, [*path, str(key)])
+                return out
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, StateFormatError):
                 raise
             raise StateFormatError(f"malformed {marker} entry {value!r:.80}: {e!r}") from e
-    return {k: decode(v, tensors) for k, v in structure.items()}
+    return {k: _decode(v, leaf, [*path, k]) for k, v in structure.items()}
 
 
 # ---------------------------------------------------------------------------- files

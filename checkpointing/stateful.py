@@ -35,10 +35,23 @@ class DirectoryState(Protocol):
     def load_from(self, directory: Path) -> None: ...
 
 
+@runtime_checkable
+class ShardedState(Protocol):
+    """State whose tensors are distributed (DTensors): `state_dict()` holds this rank's pieces,
+    each rank writes them as `<name>/rank-<r>`, and `load_pieces(saved)` reads, for this run's
+    layout on any number of ranks, the regions it needs (a checkpointing.sharded.SavedState,
+    which also opens a global entry of the same state, e.g. one the DDP engine wrote)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_pieces(self, saved: Any) -> None: ...
+
+
 @dataclass
 class Entry:
-    """One piece of state: global entries are written once (rank 0), per-rank ones by every
-    rank as `<name>/rank-<r>`; a DirectoryState writes its own files under `<name>/`."""
+    """One piece of state: global entries are written once (rank 0), per-rank and sharded
+    ones by every rank as `<name>/rank-<r>`; a DirectoryState writes its own files under
+    `<name>/`."""
 
     obj: Stateful | DirectoryState
     per_rank: bool = False
@@ -50,8 +63,15 @@ class Entry:
     left as the run built it. Without it such a checkpoint is refused."""
 
     @property
+    def rank_files(self) -> bool:
+        """Whether every rank writes a file of its own."""
+        return self.kind in ("per_rank", "sharded")
+
+    @property
     def kind(self) -> str:
-        """How the manifest records the entry: global, per_rank or directory."""
+        """How the manifest records the entry: global, per_rank, sharded or directory."""
+        if isinstance(self.obj, ShardedState):
+            return "sharded"
         if isinstance(self.obj, DirectoryState) and not isinstance(self.obj, Stateful):
             return "directory"
         return "per_rank" if self.per_rank else "global"

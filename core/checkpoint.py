@@ -22,8 +22,9 @@ from checkpointing.staging import SaveOutcome
 from checkpointing.stateful import Stateful
 from checkpointing.storage import Storage
 from core.config import Config
+from core.config.sections import FSDP_DEFAULTS
 from core.data.sampler import ResumableDistributedSampler
-from core.elastic import saved_global_batch
+from core.elastic import crosses, saved_global_batch
 from core.engines.base import Engine
 from core.state import TrainState
 
@@ -58,6 +59,7 @@ ADDED_FIELDS = {
     "data.tokenizer": "bytes",
     "data.train_on": "assistant",
     "data.chat_template": None,
+    "engine.fsdp": FSDP_DEFAULTS,
 }
 
 
@@ -286,7 +288,8 @@ class RunCheckpointer:
             )
             return
         where = self.manager.storage.child(best)
-        self.manager.load(where, read_manifest(where), {"model": Entry(self.engine.model)})
+        model = self.engine.stateful()["model"]
+        self.manager.load(where, read_manifest(where), {"model": Entry(model)})
         logger.info("loaded the best model (%s) from %s", self.config.checkpoint.best_metric, best)
 
     def check_rng(self) -> None:
@@ -307,6 +310,13 @@ class RunCheckpointer:
         saved["train.global_batch"] = saved_global_batch(saved)
         keys = sorted(set(saved) | set(self.trajectory))
         differ = [k for k in keys if saved.get(k) != self.trajectory.get(k)]
+        before, now = saved.get("engine.name"), self.trajectory.get("engine.name")
+        if "engine.name" in differ and crosses(before, now):
+            # Model and optimizer state are complete and keyed by name under both engines.
+            logger.info(
+                "resuming a %s checkpoint under engine %s: state matched by name", before, now
+            )
+            differ = [k for k in differ if k not in ("engine.name", "engine.fsdp")]
         if "train.global_batch" not in differ:
             # The same global batch on other ranks (or after such a resume): fit_world_size
             # planned the accumulation; on other ranks the micro-batch may change too.

@@ -52,6 +52,15 @@ def _check_deepspeed_reshard(config: Config, saved: Manifest, where: str) -> Non
         )
 
 
+NAMED_ENGINES = {"ddp", "fsdp"}
+"""Engines whose checkpoints hold complete state by name: each resumes the other's."""
+
+
+def crosses(saved: str, now: str) -> bool:
+    """Whether a checkpoint of engine `saved` resumes under engine `now` (another one)."""
+    return saved != now and {saved, now} <= NAMED_ENGINES
+
+
 def fit_world_size(config: Config, saved: Manifest | None, world_size: int) -> Config:
     """The config that resumes `saved` on `world_size` ranks.
 
@@ -70,7 +79,7 @@ def fit_world_size(config: Config, saved: Manifest | None, world_size: int) -> C
         else f"resuming checkpoint-{saved.step}"
     )
     if elastic:
-        if saved.engine != config.engine.name:
+        if saved.engine != config.engine.name and not crosses(saved.engine, config.engine.name):
             raise CheckpointError(
                 f"{where}: saved by engine {saved.engine}, this run uses {config.engine.name}"
             )

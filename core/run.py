@@ -207,6 +207,25 @@ def _build_engine(
             )
         optimizer = None if names_optimizer else _build_optimizer(model, config, parts, device)
         return DeepSpeedEngine(model, optimizer, make_schedule, device, ds_config, loss_fn)
+    if config.engine.name == "fsdp":
+        from core.engines.fsdp import FSDPEngine
+
+        if parts.optimizer is not None:
+            raise ConfigError(
+                "optimizer: a ready-made optimizer holds the unsharded parameters; with "
+                "engine.name fsdp pass optimizer_cls_and_kwargs (or set the optim section)"
+            )
+        fc = config.engine.fsdp
+        return FSDPEngine(
+            model,
+            lambda sharded: _build_optimizer(sharded, config, parts, device),
+            make_schedule,
+            device,
+            wrap=fc["wrap"],
+            reshard_after_forward=fc["reshard_after_forward"],
+            bf16=config.train.bf16,
+            loss_fn=loss_fn,
+        )
     optimizer = _build_optimizer(model, config, parts, device)
     return DDPEngine(
         model,

@@ -26,7 +26,8 @@ SCHEDULERS = (
     "inverse_sqrt",
     "reduce_lr_on_plateau",
 )
-ENGINES = ("ddp", "deepspeed")
+ENGINES = ("ddp", "fsdp", "deepspeed")
+FSDP_DEFAULTS: dict[str, Any] = {"wrap": None, "reshard_after_forward": True}
 REPORT_TO = ("jsonl", "tensorboard")
 
 
@@ -219,7 +220,7 @@ def metric_greater_is_better(metric: str, explicit: bool | None = None) -> bool:
 @dataclass
 class EngineConfig:
     name: str = "ddp"
-    """Distributed engine: ddp."""
+    """Distributed engine: ddp, fsdp (FSDP2 sharding) or deepspeed."""
     backend: str = "auto"
     """Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
     device: str = "auto"
@@ -231,8 +232,33 @@ class EngineConfig:
     here, so config.yaml records its content. Batch size, accumulation, clipping and bf16 come
     from the train section (leave them out or "auto")."""
 
+    fsdp: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(FSDP_DEFAULTS))
+    """fsdp: `wrap` (module class names sharded as units of their own; null: a transformers
+    model's _no_split_modules, TinyGPT's Block) and `reshard_after_forward` (free gathered
+    parameters after forward, gather again for backward: less memory, more communication)."""
+
     def __post_init__(self) -> None:
         _one_of(self.name, "engine.name", ENGINES)
+        unknown = sorted(set(self.fsdp) - set(FSDP_DEFAULTS))
+        _check(
+            not unknown,
+            f"engine.fsdp.{unknown[0] if unknown else ''}",
+            f"unknown key; valid keys: {', '.join(FSDP_DEFAULTS)}",
+        )
+        self.fsdp = {**FSDP_DEFAULTS, **self.fsdp}
+        wrap = self.fsdp["wrap"]
+        if isinstance(wrap, str):
+            self.fsdp["wrap"] = wrap = [wrap]
+        _check(
+            wrap is None or (isinstance(wrap, list) and all(isinstance(c, str) for c in wrap)),
+            "engine.fsdp.wrap",
+            f"expected a list of module class names or null, got {wrap!r}",
+        )
+        _check(
+            isinstance(self.fsdp["reshard_after_forward"], bool),
+            "engine.fsdp.reshard_after_forward",
+            f"expected true or false, got {self.fsdp['reshard_after_forward']!r}",
+        )
         if isinstance(self.deepspeed_config, str):
             self.deepspeed_config = _read_mapping(self.deepspeed_config, "engine.deepspeed_config")
         if self.deepspeed_config is not None:

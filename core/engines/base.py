@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from checkpointing.stateful import DirectoryState, Stateful
+from core.engines.named_state import OptimizerState
 from core.schedules import Schedule
 
 
 class Engine(ABC):
-    """Base class of the distributed engines (DDP, DeepSpeed)."""
+    """Base class of the distributed engines (DDP, FSDP, DeepSpeed)."""
 
     device: torch.device
     optimizer: torch.optim.Optimizer
@@ -60,7 +61,11 @@ class Engine(ABC):
 
     def stateful(self) -> dict[str, Stateful | DirectoryState]:
         """What a checkpoint of this engine holds (names are the checkpoint's entries)."""
-        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.schedule}
+        return {
+            "model": self.model,
+            "optimizer": OptimizerState(self.model, self.optimizer),
+            "scheduler": self.schedule,
+        }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer, unsharded, on the CPU (a collective for engines that
