@@ -72,6 +72,7 @@ def evaluate(
     should_stop: Callable[[], bool] | None = None,
     poll_every: int = 8,
     prefix: str = "eval",
+    lockstep: bool = False,
 ) -> dict[str, float] | None:
     """Evaluate `model` on `dataset`; every rank must call this together and gets the same dict.
 
@@ -89,6 +90,8 @@ def evaluate(
     `compute_metrics(EvalPrediction)` runs on rank 0 and its keys get the `prefix_`. Returns
     {prefix}_loss, _samples, _runtime, _samples_per_second and those metrics, or None when
     `should_stop` (polled on all ranks together every `poll_every` batches) asked to stop.
+    `lockstep`: every rank calls the model once per batch slot, a rank whose shard has run out
+    on a throwaway batch (a sharded model gathers its parameters in forward, a collective).
     """
     n = len(dataset)
     if n == 0 or batch_size < 1 or poll_every < 1:
@@ -127,6 +130,8 @@ def evaluate(
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                         out = model(**batch)
                     records += _records(out, batch, ids, label_names, keep, preprocess)
+                elif lockstep:
+                    model(**move_to_device(collate_fn([dataset[0]]), device))
                 if should_stop is not None and (b + 1) % poll_every == 0:
                     if any_rank([should_stop()])[0]:
                         logger.warning("%s: stop requested after %d batches", prefix, b + 1)

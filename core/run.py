@@ -368,6 +368,8 @@ def build_trainer(
             label_names=label_names,
         )
     engine = _build_engine(config, model, parts, device, total_steps, loss_fn, dist_info)
+    if evaluator is not None and engine.gathers_in_forward:
+        evaluator = functools.partial(evaluator, lockstep=True)
     n_params = sum(p.numel() for p in model.parameters())
     if dist_info.is_main:
         logger.info(

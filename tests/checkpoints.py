@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -73,3 +77,22 @@ def seed_resume_dir(src: Path, dst: Path, step: int) -> None:
     dst.mkdir(parents=True)
     shutil.copytree(src / f"checkpoint-{step}", dst / f"checkpoint-{step}")
     shutil.copy(src / "metrics.jsonl", dst / "metrics.jsonl")
+
+
+class RunsCommand:
+    """Unpickling this runs `touch MARKER`, as a hostile checkpoint file would run anything."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def rewrite_manifest_entry(checkpoint: Path, path: Path) -> None:
+    """Make the manifest's size and sha256 of `path` match its (tampered) content."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    data = path.read_bytes()
+    entry = manifest["files"][path.relative_to(checkpoint).as_posix()]
+    entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest, indent=1))

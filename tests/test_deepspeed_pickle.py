@@ -5,11 +5,7 @@ file is read with torch.load(weights_only=True))."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import pickle
-import shlex
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +15,7 @@ import torch
 
 from checkpointing.manifest import CheckpointCorruptError
 from core.config import ConfigError
-from tests.checkpoints import seed_resume_dir
+from tests.checkpoints import RunsCommand, rewrite_manifest_entry, seed_resume_dir
 from tests.launch import REPO, SMALL, run, run_launcher
 
 pytest.importorskip("deepspeed")
@@ -52,16 +48,6 @@ PLANTS = [
 ]
 
 
-class RunsCommand:
-    """Unpickling this runs `touch MARKER`, as a hostile checkpoint file would run anything."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
-
-
 def plant(checkpoint: Path, name: str, how: str, marker: Path) -> Path:
     """Rewrite DeepSpeed's `name` in `checkpoint` to run a command when unpickled, and its
     manifest entry to match. torch.save: the real content with a RunsCommand beside it;
@@ -73,11 +59,7 @@ def plant(checkpoint: Path, name: str, how: str, marker: Path) -> Path:
         torch.save(state, path)
     else:
         path.write_bytes(pickle.dumps(RunsCommand(marker)))
-    manifest = json.loads((checkpoint / "manifest.json").read_text())
-    data = path.read_bytes()
-    entry = manifest["files"][path.relative_to(checkpoint).as_posix()]
-    entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
-    (checkpoint / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    rewrite_manifest_entry(checkpoint, path)
     return path
 
 

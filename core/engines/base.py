@@ -32,6 +32,9 @@ class Engine(ABC):
     device: torch.device
     optimizer: torch.optim.Optimizer
     schedule: Schedule
+    gathers_in_forward: bool = False
+    """Whether the model's forward is a collective (sharded parameters are gathered): every
+    rank must then call it equally often, in evaluation too."""
 
     @property
     @abstractmethod

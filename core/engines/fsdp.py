@@ -69,6 +69,8 @@ def _process_group() -> int:
 
 
 class FSDPEngine(Engine):
+    gathers_in_forward = True
+
     def __init__(
         self,
         model: nn.Module,
