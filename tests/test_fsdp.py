@@ -60,6 +60,11 @@ ARGS = (
     *("--checkpoint.save_total_limit", "6"),
     *("--model.dropout", "0.0"),  # dropout masks depend on the rank that draws them
     *("--run.log_level", "debug"),  # the sample ids of every step
+    # Evaluation on shards of unequal length (17 and 16 samples, batches of 4): every rank
+    # must still call the sharded model equally often.
+    *("--eval.strategy", "steps", "--eval.steps", "8", "--eval.holdout_samples", "33"),
+    *("--eval.per_device_batch_size", "4", "--checkpoint.best_metric", "eval_loss"),
+    *("--checkpoint.load_best_model_at_end", "true"),
 )
 BF16 = ("--train.bf16", "true", "--checkpoint.async_save", "true")
 WORKER = REPO / "tests" / "fsdp_worker.py"

@@ -2,7 +2,8 @@
 configs/hf-pretrain.yaml and configs/sft-chat.yaml with a tiny local Llama and tokenizer: random
 SIGKILLs (some mid-save), relaunched with the same command until done, end bit-identical to the
 uninterrupted run (every logged loss, model and optimizer with torch.equal); DeepSpeed ZeRO 1-3
-resume exactly, and a ZeRO-3 checkpoint exports (--hf) a model whose logits equal the live one's.
+resume exactly, and a ZeRO-3 or FSDP checkpoint (after a SIGKILL) exports (--hf) a model whose
+logits equal the live one's.
 Tokenising runs on the first rank only; the others read its cache."""
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def test_sft_chat_config_with_accumulation_resumes_bit_identically_after_sigkill
 # -- DeepSpeed ----------------------------------------------------------------------------------
 
 
-def ds_args(assets, stage: int) -> tuple[str, ...]:
+def sharded_args(assets, *engine: str) -> tuple[str, ...]:
+    """A short pretraining run with accumulation, fp32, under a sharding engine."""
     return (
         *pretrain_args(assets),
         "--train.max_steps",
@@ -127,11 +129,13 @@ def ds_args(assets, stage: int) -> tuple[str, ...]:
         "false",  # exports hold the fp32 master weights: compare like with like
         "--checkpoint.save_steps",
         "4",
-        "--engine.name",
-        "deepspeed",
-        "--engine.deepspeed_config",
-        str(REPO / "configs" / "deepspeed" / f"zero{stage}.json"),
+        *engine,
     )
+
+
+def ds_args(assets, stage: int) -> tuple[str, ...]:
+    config = str(REPO / "configs" / "deepspeed" / f"zero{stage}.json")
+    return sharded_args(assets, "--engine.name", "deepspeed", "--engine.deepspeed_config", config)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -146,13 +150,18 @@ def test_deepspeed_zero_1_2_resume_exactly(hf_assets, cache, tmp_path, stage):
     assert_same_losses(ref, run_dir)
 
 
-def test_deepspeed_zero3_resumes_after_sigkill_and_exports_the_live_model(
-    hf_assets, cache, tmp_path
+@pytest.mark.parametrize("engine", ["zero3", "fsdp"])
+def test_sharded_engine_resumes_after_sigkill_and_exports_the_live_model(
+    hf_assets, cache, tmp_path, engine
 ):
-    pytest.importorskip("deepspeed")
+    """ZeRO-3 and FSDP (wrapping LlamaDecoderLayer, the model's _no_split_modules)."""
     from transformers import AutoModelForCausalLM
 
-    args = ds_args(hf_assets, 3)
+    if engine == "zero3":
+        pytest.importorskip("deepspeed")
+        args = ds_args(hf_assets, 3)
+    else:
+        args = sharded_args(hf_assets, "--engine.name", "fsdp")
     ref = tmp_path / "ref"
     ref.mkdir()
     cmd = launcher_cmd(2, ["--run.output_dir", str(ref), *args])
