@@ -104,7 +104,14 @@ def test_public_cli_surface_is_pinned():
             "greater_is_better",
             "load_best_model_at_end",
         ],
-        "engine": ["name", "backend", "device", "find_unused_parameters", "deepspeed_config"],
+        "engine": [
+            "name",
+            "backend",
+            "device",
+            "find_unused_parameters",
+            "deepspeed_config",
+            "fsdp",
+        ],
     }
 
 
@@ -165,7 +172,10 @@ BAD = [
     (["--train.max_steps", "null"], "train.max_steps: set train.max_steps or train.num_epochs"),
     (["--run.full_determinism", "maybe"], "run.full_determinism: expected true or false"),
     (["--data.source", "/no/such/file.txt"], "data.source: no such file '/no/such/file.txt'"),
-    (["--engine.name", "fsdp"], "engine.name: unknown value 'fsdp'; accepted: ddp"),
+    (
+        ["--engine.name", "zero"],
+        "engine.name: unknown value 'zero'; accepted: ddp, fsdp, deepspeed",
+    ),
     (["--model.n_embd", "65"], "model.n_embd: must be divisible by model.n_head"),
     (["--data.seq_len", "128"], "data.seq_len: must be <= model.block_size (64)"),
     (["--train.max_steps"], "--train.max_steps: missing value"),
