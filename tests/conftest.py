@@ -60,11 +60,18 @@ def hub_offline():
     hub.HF_HUB_OFFLINE = before
 
 
-@pytest.fixture
-def sync_hf_loading(monkeypatch):
+@pytest.fixture(scope="session", autouse=True)
+def sync_hf_loading():
     """transformers loads weights on a thread pool it shuts down without waiting: its threads
-    may outlive a test by a moment, which the leak check would report."""
-    monkeypatch.setenv("HF_DEACTIVATE_ASYNC_LOAD", "1")
+    may outlive a test by a moment, which the leak check would report. Every test (and every
+    subprocess it starts) loads synchronously; set before any test, so no test's change."""
+    before = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
+    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
+    yield
+    if before is None:
+        del os.environ["HF_DEACTIVATE_ASYNC_LOAD"]
+    else:
+        os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = before
 
 
 @pytest.fixture(scope="session")

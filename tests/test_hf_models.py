@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def hf_cache(tmp_path, monkeypatch, sync_hf_loading):
+def hf_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
 
 
