@@ -2,7 +2,8 @@
 
 Each benchmark runs as a subprocess of its own (a fresh interpreter: no benchmark sees another's
 heap or threads), in this order; its figure lines are checked (`bench.common.FIGURE_KEYS`) and
-passed on, anything else it prints goes to stderr. `--smoke` runs each one a few steps on a
+passed on, anything else it prints goes to stderr (and, for one that failed, its last lines
+again at the end). `--smoke` runs each one a few steps on a
 small model, to check that the suite works (the figures then mean nothing); the test suite runs
 it. The exit status is 1 when a benchmark failed or printed no figure.
 
@@ -16,6 +17,7 @@ import json
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,6 +25,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import is_figure  # noqa: E402
 
+# Lines of a failed benchmark repeated at the end (a traceback; pytest shows only the tail).
+TAIL_LINES = 40
 SMALL_MODEL = ["--n-layer", "1", "--n-embd", "96"]
 # name: (script, full-run arguments, smoke arguments, figures it prints)
 BENCHMARKS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
@@ -86,6 +90,18 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
         ["--reps", "1", *SMALL_MODEL],
         ["deepspeed_save"],
     ),
+    "fsdp": (
+        "fsdp.py",
+        [],
+        [
+            *("--reps", "1", "--steps", "12", "--n-layer", "1", "--n-embd", "64"),
+            *("--save-layers", "1", "--save-embd", "96"),
+        ],
+        [
+            *("fsdp_vs_ddp", "fsdp_save_bytes_per_rank"),
+            *("fsdp_save_peak_memory", "fsdp_save_throughput"),
+        ],
+    ),
     "store_read": (
         "store_read.py",
         [],
@@ -107,13 +123,18 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
 }
 
 
-def run(name: str, smoke: bool) -> list[str]:
-    """Run one benchmark, pass its figure lines on; the names of the figures missing."""
+def run(name: str, smoke: bool) -> tuple[list[str], list[str]]:
+    """Run one benchmark, pass its figure lines on: (the names of the figures missing, the last
+    lines it wrote besides its figures, to repeat at the end when something is missing)."""
     script, full, quick, expected = BENCHMARKS[name]
     cmd = [sys.executable, str(REPO / "bench" / script), *(quick if smoke else full)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    # stderr joins stdout so that a failure's traceback can be repeated after every other output.
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     seen = []
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
     for raw in proc.stdout:
         try:
             line = json.loads(raw)
@@ -124,13 +145,14 @@ def run(name: str, smoke: bool) -> list[str]:
             print(json.dumps(line), flush=True)
         else:
             sys.stderr.write(raw)
+            tail.append(raw.rstrip("\n"))
     code = proc.wait()
     seconds = time.perf_counter() - t0
     print(f"bench: {name} exited {code} after {seconds:.0f} s", file=sys.stderr, flush=True)
     missing = [f for f in expected if f not in seen]
     if code != 0:
-        missing = missing or [f"{name} (exit {code})"]
-    return missing
+        missing = [f"{f} (exit {code})" for f in missing] or [f"{name} (exit {code})"]
+    return missing, list(tail) if missing else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark {', '.join(unknown)}; one of {', '.join(BENCHMARKS)}")
-    missing = [f for name in names for f in run(name, args.smoke)]
+    missing: list[str] = []
+    failures: list[tuple[str, list[str]]] = []
+    for name in names:
+        lost, tail = run(name, args.smoke)
+        missing += lost
+        if lost:
+            failures.append((name, tail))
+    for name, tail in failures:
+        print(f"bench: last lines of {name}:", *tail, sep="\n  ", file=sys.stderr)
     if missing:
         print(f"bench: no figure from {', '.join(missing)}", file=sys.stderr)
         return 1
