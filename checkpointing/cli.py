@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from checkpointing.deepspeed_files import deepspeed_weights
+from checkpointing.digest import recorded
 from checkpointing.hf_export import DEFAULT_MAX_SHARD_SIZE, HF_ENTRY, HFFiles, write_hf_model
 from checkpointing.manager import TMP_PREFIX
 from checkpointing.manifest import CheckpointError, list_checkpoints, verify
@@ -63,9 +64,10 @@ def cmd_verify(where: Storage) -> int:
     except CheckpointError as e:
         print(f"FAILED {e}", file=sys.stderr)
         return 1
+    algorithms = ", ".join(sorted({recorded(m)[1] for m in manifest.files.values()}) or ["none"])
     print(
         f"OK {where.display()}: step {manifest.step}, {len(manifest.files)} files, "
-        f"{manifest.total_bytes / 1e6:.1f} MB, sha256 verified"
+        f"{manifest.total_bytes / 1e6:.1f} MB, {algorithms} verified"
     )
     return 0
 

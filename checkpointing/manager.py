@@ -325,7 +325,7 @@ class CheckpointManager:
         checks = dict(snap.header["checks"])
         for rank_digests, rchecks, _ in gathered:
             for rel, d in rank_digests.items():
-                files[rel] = {"size": d.size, "sha256": d.sha256}
+                files[rel] = d.record()
             for key, value in rchecks.items():
                 checks.setdefault(key, []).append(value)
         manifest = Manifest(
@@ -467,10 +467,10 @@ class CheckpointManager:
 
 
 def _write_files(target: Storage, files: list[tuple[str, Any, Any]]) -> dict[str, FileDigest]:
-    """Write the entries' files, up to WRITE_THREADS at once. Each file's sha256 runs on a
-    thread of its own beside its writes (hashlib and file writes release the GIL), so with
-    several large entries (model, optimizer) a save is not bound by one core's hashing speed
-    (about 1.15 GB/s on this project's CI machine). The first error, in entry order, is raised
+    """Write the entries' files, up to WRITE_THREADS at once. Each file's hash runs on a
+    thread of its own beside its writes (BLAKE3 and file writes release the GIL), so with
+    several large entries (model, optimizer) a save is not bound by one core's hashing speed.
+    The first error, in entry order, is raised
     once every write has ended."""
     if len(files) <= 1:  # no pool for one file
         return write_encoded(target, *files[0]) if files else {}

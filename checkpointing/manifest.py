@@ -1,7 +1,8 @@
 """The manifest: the commit marker of a checkpoint, and the verification of every file in it.
 
 A directory `checkpoint-<step>` counts only if its `manifest.json` parses and every file it names
-has the recorded size and sha256. Nothing is read from a checkpoint before this check passes.
+has the recorded size and hash (BLAKE3; sha256 in format 1 manifests, which still verify, see
+`checkpointing.digest`). Nothing is read from a checkpoint before this check passes.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from checkpointing.storage import Storage, as_storage, digest_stream, retrying
+from checkpointing.digest import DigestRecordError, digest_stream, recorded
+from checkpointing.storage import Storage, as_storage, retrying
 
-FORMAT_VERSION = 1
+# 2: files recorded as {"size", "hash": {"algorithm", "digest"}} (BLAKE3); 1: {"size", "sha256"}.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
@@ -36,7 +40,8 @@ class Manifest:
     trajectory: dict[str, Any]
     """The config fields that decide the trajectory, as saved (compared on resume)."""
     files: dict[str, dict[str, Any]]
-    """Relative path -> {"size": bytes, "sha256": hex digest} of every file but the manifest."""
+    """Relative path -> {"size": bytes, "hash": {"algorithm": "blake3", "digest": hex}} of every
+    file but the manifest (format 1: {"size", "sha256"})."""
     entries: dict[str, str]
     """State name -> "global" (written once, by rank 0), "per_rank", "sharded" (each rank's
     pieces of distributed tensors) or "directory" (an engine's own files)."""
@@ -67,28 +72,38 @@ def read_manifest(where: str | os.PathLike | Storage) -> Manifest:
         manifest = Manifest(**json.loads(data))
     except (ValueError, TypeError) as e:
         raise CheckpointCorruptError(f"{where_text}: unreadable manifest ({e})") from e
-    if manifest.format_version != FORMAT_VERSION:
+    if manifest.format_version not in READABLE_VERSIONS:
         raise CheckpointCorruptError(
             f"{where_text}: format version {manifest.format_version}, "
-            f"this code reads {FORMAT_VERSION}"
+            f"this code reads {', '.join(map(str, READABLE_VERSIONS))}"
         )
+    if not isinstance(manifest.files, dict):
+        raise CheckpointCorruptError(f"{where_text}: unreadable manifest (files is not a mapping)")
+    for rel, meta in manifest.files.items():
+        try:
+            recorded(meta)
+        except DigestRecordError as e:
+            raise CheckpointCorruptError(f"{where_text}: unreadable manifest ({rel}: {e})") from e
     return manifest
 
 
 def verify_file(storage: Storage, rel: str, meta: dict[str, Any]) -> None:
-    """Check one file of a checkpoint against its manifest entry (size, then sha256)."""
+    """Check one file of a checkpoint against its manifest entry (size, then hash)."""
     where = storage.display(rel)
+    size_recorded, algorithm, digest = recorded(meta)
 
     def check() -> None:
         try:
             size = storage.size(rel)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
             raise CheckpointCorruptError(f"{where}: missing") from e
-        if size != meta["size"]:
-            raise CheckpointCorruptError(f"{where}: {size} bytes, the manifest says {meta['size']}")
+        if size != size_recorded:
+            raise CheckpointCorruptError(
+                f"{where}: {size} bytes, the manifest says {size_recorded}"
+            )
         with storage.open_read(rel) as f:
-            if digest_stream(f)[1] != meta["sha256"]:
-                raise CheckpointCorruptError(f"{where}: sha256 differs from the manifest")
+            if digest_stream(f, algorithm)[1] != digest:
+                raise CheckpointCorruptError(f"{where}: {algorithm} differs from the manifest")
 
     retrying(f"verifying {where}", check, storage.retries)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointing.comm import broadcast_object, gather_objects
+from checkpointing.digest import digest_stream, recorded
 from checkpointing.manifest import (
     CheckpointCorruptError,
     CheckpointError,
@@ -27,7 +28,7 @@ from checkpointing.manifest import (
 from checkpointing.serialize import StateFormatError, load_state
 from checkpointing.sharded import SavedState, piece_bases
 from checkpointing.stateful import Entry, rank_name, split_by_size
-from checkpointing.storage import Storage, digest_stream, open_storage, retrying
+from checkpointing.storage import Storage, open_storage, retrying
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +226,7 @@ class Restorer:
     def _load_directory(self, where: Storage, manifest: Manifest, name: str, obj: Any) -> None:
         local = where.local_path(name)
         if local is not None:
-            obj.load_from(local)  # verified before: sha256 of every file
+            obj.load_from(local)  # verified before: the hash of every file
             return
         # An engine reads local files: download the entry, checking each file as it lands.
         with tempfile.TemporaryDirectory(prefix="checkpoint-load-") as tmp:
@@ -258,7 +259,7 @@ def download(where: Storage, rel: str, dest: Path, meta: dict[str, Any]) -> None
     dest.parent.mkdir(parents=True, exist_ok=True)
     with where.open_read(rel) as src, dest.open("wb") as out:
         shutil.copyfileobj(src, out, 16 << 20)
+    size, algorithm, digest = recorded(meta)
     with dest.open("rb") as f:
-        size, sha = digest_stream(f)
-    if (size, sha) != (meta["size"], meta["sha256"]):
-        raise CheckpointCorruptError(f"{where.display(rel)}: differs from the manifest")
+        if digest_stream(f, algorithm) != (size, digest):
+            raise CheckpointCorruptError(f"{where.display(rel)}: differs from the manifest")

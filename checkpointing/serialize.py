@@ -8,7 +8,6 @@ fails with `StateFormatError` instead of executing.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -24,14 +23,8 @@ from safetensors.torch import load as load_safetensors_bytes
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from checkpointing.storage import (
-    FileDigest,
-    LocalStorage,
-    Storage,
-    as_storage,
-    digest_stream,
-    retrying,
-)
+from checkpointing.digest import FileDigest, digest_stream, matches, recorded
+from checkpointing.storage import LocalStorage, Storage, as_storage, retrying
 
 TENSOR, TUPLE, DICT = "__tensor__", "__tuple__", "__dict__"
 PIECE = "__piece__"
@@ -281,7 +274,7 @@ def store_safetensors(
 
     Bytes go straight from each tensor's memory to the file (a tensor is copied only when it is
     not CPU contiguous, one at a time), so peak memory stays near the largest such tensor rather
-    than the file size. The sha256 is computed from the same buffers on a worker thread while
+    than the file size. The hash is computed from the same buffers on a worker thread while
     they are written: the file is never read back. Readable by `safetensors.torch`.
     """
     prefix, order = _safetensors_prefix(tensors, metadata)
@@ -342,11 +335,11 @@ def _parse_safetensors(storage: Storage, rel: str, data: bytes | None) -> dict[s
 
 
 def sync_and_digest(path: Path) -> FileDigest:
-    """fsync a local file another writer left (reading it once for the sha256 on the way)."""
+    """fsync a local file another writer left (reading it once for its hash on the way)."""
     with open(path, "rb") as f:
-        size, sha256 = digest_stream(f)
+        size, digest = digest_stream(f)
         os.fsync(f.fileno())
-    return FileDigest(size, sha256)
+    return FileDigest(size, digest)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -416,8 +409,9 @@ def _read_checked(storage: Storage, rel: str, expected: Mapping[str, Any] | None
     )
     if expected is not None:
         meta = expected.get(rel)
-        if meta is None or hashlib.sha256(data).hexdigest() != meta["sha256"]:
-            raise StateFormatError(f"{storage.display(rel)}: sha256 differs from the manifest")
+        if meta is None or not matches(data, meta):
+            algorithm = recorded(meta)[1] if meta is not None else "hash"
+            raise StateFormatError(f"{storage.display(rel)}: {algorithm} differs from the manifest")
     return data
 
 
@@ -429,7 +423,7 @@ def load_state(
     """Read what `save_state(storage, name, ...)` wrote, tensors on CPU. Never unpickles.
 
     From a store that is not a local filesystem the bytes are read once into memory and, when
-    `expected` (the manifest's files) is given, checked against their sha256 before parsing:
+    `expected` (the manifest's files) is given, checked against their hash before parsing:
     what is parsed is what was verified. Raises StateFormatError (one line naming the file) for
     a file that is not valid JSON or safetensors, or a structure that references a tensor the
     safetensors file lacks.

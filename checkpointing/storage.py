@@ -15,7 +15,6 @@ protocol needs; that is why local paths get their own implementation.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -24,38 +23,20 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
+
+from checkpointing.digest import FileDigest, hasher
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_READ_CHUNK = 8 << 20
 # Object-store parts: large enough that per-request overhead vanishes.
 _BLOCK = 64 << 20
 
 
 class StorageError(OSError):
     """The checkpoint store failed an operation after every retry (one line: what and why)."""
-
-
-@dataclass(frozen=True)
-class FileDigest:
-    """Size in bytes and hex sha256 of a file exactly as written."""
-
-    size: int
-    sha256: str
-
-
-def digest_stream(f: BinaryIO) -> tuple[int, str]:
-    """(bytes read, hex sha256) of what is left in an open binary file."""
-    h = hashlib.sha256()
-    size = 0
-    while chunk := f.read(_READ_CHUNK):
-        h.update(chunk)
-        size += len(chunk)
-    return size, h.hexdigest()
 
 
 def display_url(url: str) -> str:
@@ -169,19 +150,19 @@ def retrying(
 
 
 class HashingWriter:
-    """Writes buffers to an open file while a worker thread hashes the same buffers (hashlib
-    and raw writes release the GIL), so a file is never read back to learn its sha256."""
+    """Writes buffers to an open file while a worker thread hashes the same buffers (BLAKE3
+    and raw writes release the GIL), so a file is never read back to learn its digest."""
 
     def __init__(self, f: Any) -> None:
         self._f = f
-        self._sha = hashlib.sha256()
+        self._hash = hasher()
         self._size = 0
-        self._pool = ThreadPoolExecutor(1, "sha256")
+        self._pool = ThreadPoolExecutor(1, "checkpoint-hash")
         self._pending: list[Future] = []
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
-        self._pending.append(self._pool.submit(self._sha.update, view))
+        self._pending.append(self._pool.submit(self._hash.update, view))
         self._size += view.nbytes
         while view:  # a raw write may be partial
             n = self._f.write(view)
@@ -196,7 +177,7 @@ class HashingWriter:
     def digest(self) -> FileDigest:
         self.drain()
         self._pool.shutdown()
-        return FileDigest(self._size, self._sha.hexdigest())
+        return FileDigest(self._size, self._hash.hexdigest())
 
     def abandon(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

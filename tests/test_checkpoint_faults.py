@@ -19,7 +19,7 @@ from core.checkpoint import ResumeMismatchError
 from core.config import load_config
 from core.loop import DistInfo
 from core.run import build_trainer
-from tests.checkpoints import flip_byte
+from tests.checkpoints import file_record, flip_byte
 from tests.launch import SMALL as SMALL_RUN
 
 SMALL = [*SMALL_RUN, "--train.max_steps", "8", "--checkpoint.save_steps", "4"]
@@ -57,7 +57,7 @@ def rehash(checkpoint: Path, rel: str) -> None:
     manifest_path = checkpoint / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     data = (checkpoint / rel).read_bytes()
-    manifest["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["files"][rel] = file_record(data)
     manifest_path.write_text(json.dumps(manifest))
 
 
@@ -86,12 +86,90 @@ def test_corrupt_newest_falls_back_to_older(run_dir, kind, caplog):
 
 def test_corrupt_explicit_path_is_an_error(run_dir):
     flip_byte(run_dir / "checkpoint-8" / "model.safetensors")
-    with pytest.raises(CheckpointCorruptError, match=r"model\.safetensors: sha256 differs"):
+    with pytest.raises(CheckpointCorruptError, match=r"model\.safetensors: blake3 differs"):
         resume_step(run_dir, "--checkpoint.resume_from", str(run_dir / "checkpoint-8"))
 
 
 def test_explicit_path_resumes_that_checkpoint(run_dir):
     assert resume_step(run_dir, "--checkpoint.resume_from", str(run_dir / "checkpoint-4")) == 4
+
+
+def as_format_1(checkpoint: Path) -> None:
+    """Rewrite a checkpoint's manifest as this code wrote it before BLAKE3: format 1, each
+    file recorded as {"size", "sha256"} (hashed here with hashlib, not by our code)."""
+    path = checkpoint / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["format_version"] = 1
+    for rel in manifest["files"]:
+        data = (checkpoint / rel).read_bytes()
+        manifest["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    path.write_text(json.dumps(manifest, indent=1))
+
+
+def loaded_state(run_dir: Path, *overrides: str) -> dict[str, torch.Tensor]:
+    trainer = trainer_for(run_dir, *overrides)
+    trainer.checkpointer.prepare()
+    return {
+        **{f"model.{k}": v for k, v in trainer.engine.model.state_dict().items()},
+        **{
+            f"optim.{i}.{k}": v
+            for i, s in trainer.engine.optimizer.state_dict()["state"].items()
+            for k, v in s.items()
+        },
+    }
+
+
+def test_new_manifests_record_blake3(trained):
+    manifest = json.loads((trained / "checkpoint-8" / "manifest.json").read_text())
+    assert manifest["format_version"] == 2
+    for rel, record in manifest["files"].items():
+        assert record == file_record((trained / "checkpoint-8" / rel).read_bytes()), rel
+
+
+def test_a_sha256_checkpoint_of_format_1_verifies_and_resumes_exactly(trained, run_dir):
+    expected = loaded_state(trained, "--checkpoint.resume_from", str(trained / "checkpoint-8"))
+    as_format_1(run_dir / "checkpoint-8")
+    assert verify(run_dir / "checkpoint-8").format_version == 1
+    got = loaded_state(run_dir)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    flip_byte(run_dir / "checkpoint-8" / "optimizer.safetensors")
+    with pytest.raises(CheckpointCorruptError, match=r"optimizer\.safetensors: sha256 differs"):
+        verify(run_dir / "checkpoint-8")
+    assert resume_step(run_dir) == 4  # the older checkpoint, of format 2
+
+
+HOSTILE_RECORDS = {
+    "unknown-algorithm": {"size": 1, "hash": {"algorithm": "md5", "digest": "0" * 32}},
+    "digest-not-hex": {"size": 1, "hash": {"algorithm": "blake3", "digest": "../" * 21 + "x"}},
+    "extra-key": {"size": 1, "hash": {"algorithm": "blake3", "digest": "0" * 64, "key": 1}},
+    "negative-size": {"size": -1, "hash": {"algorithm": "blake3", "digest": "0" * 64}},
+    "no-hash": {"size": 1},
+    "not-a-record": [1, 2],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_RECORDS))
+def test_a_manifest_naming_no_known_hash_is_refused_before_any_read(run_dir, kind, caplog):
+    """A manifest that records a file in a way this code cannot check is never trusted."""
+    ckpt = run_dir / "checkpoint-8"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["model.safetensors"] = HOSTILE_RECORDS[kind]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointCorruptError, match=r"unreadable manifest \(model\.safetensors: "):
+        verify(ckpt)
+    with caplog.at_level(logging.WARNING, logger="checkpointing.manager"):
+        assert resume_step(run_dir) == 4
+
+
+def test_a_manifest_of_a_newer_format_is_refused(run_dir):
+    ckpt = run_dir / "checkpoint-8"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["format_version"] = 3
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointCorruptError, match="format version 3, this code reads 1, 2"):
+        verify(ckpt)
 
 
 class PlantedPayload:

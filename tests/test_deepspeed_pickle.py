@@ -1,5 +1,5 @@
 """A DeepSpeed checkpoint whose files carry pickles that run a command, with a manifest rewritten
-so every size and sha256 matches, is refused: a resume exits 3 and `python -m checkpointing
+so every size and hash matches, is refused: a resume exits 3 and `python -m checkpointing
 export` exits 1, each with one line naming the file, and the command never runs (every DeepSpeed
 file is read with torch.load(weights_only=True))."""
 

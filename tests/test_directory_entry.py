@@ -62,7 +62,7 @@ def test_directory_files_are_in_the_manifest(tmp_path):
 def test_a_flipped_bit_in_a_directory_file_fails_verification(tmp_path):
     path = save(tmp_path, Blobs(b"abc" * 1000))
     flip_byte(path / "engine" / "tag" / "shard-0.pt")
-    with pytest.raises(CheckpointCorruptError, match="shard-0.pt: sha256 differs"):
+    with pytest.raises(CheckpointCorruptError, match="shard-0.pt: blake3 differs"):
         verify(path)
 
 

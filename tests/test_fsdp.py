@@ -10,7 +10,6 @@ tests/test_elastic.py (whose header gives the measured figures).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import random
@@ -32,6 +31,7 @@ from tests.checkpoints import (
     RunsCommand,
     assert_same_losses,
     assert_tensors_equal,
+    file_record,
     rewrite_manifest_entry,
     seed_resume_dir,
 )
@@ -87,7 +87,7 @@ def _write_pieces(root: Path, full: torch.Tensor, rows: list[tuple[int, int]]) -
         (root / f"{base}.json").write_bytes(json_bytes(desc))
         for ext in ("json", "safetensors"):
             data = (root / f"{base}.{ext}").read_bytes()
-            files[f"{base}.{ext}"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            files[f"{base}.{ext}"] = file_record(data)
     return files
 
 
@@ -99,7 +99,7 @@ def _open(root: Path, files: dict, n: int, where: Storage | None = None) -> Save
 @pytest.mark.parametrize("store", ["local", "memory"])
 def test_pieces_are_read_by_region_across_saved_ranks(tmp_path, store):
     """From a local file by safetensors slices; from an object store (fsspec memory://) each
-    file fetched whole and checked against the manifest's sha256."""
+    file fetched whole and checked against the manifest's hash."""
     full = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
     files = _write_pieces(tmp_path, full, [(0, 3), (3, 6), (6, 7)])
     where = None
@@ -117,7 +117,7 @@ def test_pieces_are_read_by_region_across_saved_ranks(tmp_path, store):
         data = bytearray(where.read_bytes(rel))
         data[-1] ^= 1
         where.write_bytes(rel, bytes(data))
-        with pytest.raises(StateFormatError, match="sha256 differs"):
+        with pytest.raises(StateFormatError, match="blake3 differs"):
             saved.full()
 
 

@@ -166,7 +166,7 @@ def test_retention_on_s3_keeps_exactly_the_limit(tmp_path, s3, capsys):
     listing = capsys.readouterr().out
     assert "checkpoint-10" in listing and "checkpoint-8" in listing and "committed" in listing
     assert checkpoint_cli(["verify", f"{url}/checkpoint-10", *options]) == 0
-    assert "sha256 verified" in capsys.readouterr().out
+    assert "blake3 verified" in capsys.readouterr().out
 
 
 def test_credentials_are_never_written(tmp_path, s3):

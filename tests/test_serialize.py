@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import pickle
 from pathlib import Path
 
+import blake3
 import pytest
 import safetensors
 import safetensors.torch
@@ -60,7 +60,7 @@ def sort(tensors: dict) -> dict:
 
 def digest_of(path: Path) -> FileDigest:
     data = path.read_bytes()
-    return FileDigest(len(data), hashlib.sha256(data).hexdigest())
+    return FileDigest(len(data), blake3.blake3(data).hexdigest(), "blake3")
 
 
 def make_model() -> nn.Module:

@@ -140,7 +140,7 @@ def test_a_corrupt_object_is_skipped_by_latest():
     storage.write_bytes(
         "checkpoint-2/w.safetensors", b"x" * storage.size("checkpoint-2/w.safetensors")
     )
-    with pytest.raises(CheckpointCorruptError, match="sha256 differs"):
+    with pytest.raises(CheckpointCorruptError, match="blake3 differs"):
         verify(storage.child("checkpoint-2"))
     _, manifest = manager.resolve("latest")
     assert manifest.step == 1

@@ -9,7 +9,7 @@ DeepSpeed then steps and checkpoints itself.
 Checkpoints: DeepSpeed's `save_checkpoint` writes model and optimizer shards into the
 `deepspeed/` directory of our temporary checkpoint (with `save_latest=False`: its `latest` file is
 never written nor read); our manager hashes every file it wrote into the manifest and commits.
-On resume the manager verifies every file's sha256 first; then DeepSpeed reads its files through
+On resume the manager verifies every file's hash first; then DeepSpeed reads its files through
 our checkpoint engine, with `torch.load(weights_only=True)` (checkpointing/deepspeed_safe_load.py):
 a file that would run code when unpickled is refused, never executed.
 """
