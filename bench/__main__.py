@@ -102,6 +102,12 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
             *("fsdp_save_peak_memory", "fsdp_save_throughput"),
         ],
     ),
+    "hash": (
+        "hash.py",
+        [],
+        ["--mb", "32", "--reps", "1"],
+        ["hash_throughput"],
+    ),
     "store_read": (
         "store_read.py",
         [],
