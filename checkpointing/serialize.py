@@ -13,6 +13,7 @@ import os
 import struct
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,25 @@ from checkpointing.storage import LocalStorage, Storage, as_storage, retrying
 
 TENSOR, TUPLE, DICT = "__tensor__", "__tuple__", "__dict__"
 PIECE = "__piece__"
-"""One rank's piece of a sharded tensor (a DTensor): its global shape, offsets and dtype."""
+"""One rank's piece of a sharded tensor (a DTensor, or a Share of a replicated one): its global
+shape, offsets and dtype."""
 _MARKERS = (TENSOR, TUPLE, DICT, PIECE)
 _SCALARS = (bool, int, float, str, type(None))
 # Reserved by the safetensors header for free-form metadata; never a tensor name.
 _ST_METADATA = "__metadata__"
 # Big enough that syscall and thread hand-off costs vanish, small enough to interleave hashing.
 _CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class Share:
+    """Rows `offsets[0]` to `offsets[0] + local.shape[0]` of a tensor of `shape` that every rank
+    holds whole, saved as this rank's piece (checkpointing.balanced)."""
+
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -131,6 +144,10 @@ class _Encoder:
     def __call__(self, obj: Any, path: list[str]) -> Any:
         if isinstance(obj, DTensor):
             return {PIECE: self._piece(obj, path)}
+        if isinstance(obj, Share):
+            piece = {"shape": list(obj.shape), "offsets": list(obj.offsets)}
+            piece["dtype"] = _DTYPES[obj.local.dtype]
+            return {PIECE: {**piece, "tensor": self._tensor(obj.local, path)}}
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, path)
         if isinstance(obj, _SCALARS):

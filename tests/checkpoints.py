@@ -8,22 +8,33 @@ import os
 import shlex
 import shutil
 from pathlib import Path
+from typing import Any
 
 import blake3
 import torch
 
+from checkpointing.manifest import read_manifest
 from checkpointing.serialize import load_state
+from checkpointing.sharded import read_entry
+from checkpointing.storage import LocalStorage, Storage, as_storage
 from tests.launch import read_metrics
 
-# States that must be byte-identical between an interrupted run and an uninterrupted one.
-# (train_state holds wall-clock step times, so it is compared field by field instead.)
-EXACT_FILES = (
-    "model.safetensors",
-    "optimizer.safetensors",
-    "optimizer.json",
-    "scheduler.json",
-    "sampler.json",
-)
+# Entries whose files must be byte-identical between an interrupted run and an uninterrupted
+# one. (train_state holds wall-clock step times, so it is compared field by field instead.)
+EXACT_ENTRIES = ("model", "optimizer", "scheduler", "sampler")
+
+
+def load_entry(checkpoint: Path | Storage, name: str) -> Any:
+    """Entry `name` of a checkpoint read whole, in any layout (one file, or every rank's
+    share or shards), without a process group."""
+    storage = as_storage(checkpoint)
+    return read_entry(storage, read_manifest(storage), name)
+
+
+def entry_files(checkpoint: Path, names: tuple[str, ...]) -> list[str]:
+    """The manifest's files of entries `names` (`model.json`, `model/rank-00000.json`, ...)."""
+    files = read_manifest(LocalStorage(checkpoint)).files
+    return sorted(rel for rel in files if rel.split("/")[0].split(".")[0] in names)
 
 
 def assert_tensors_equal(a, b, where=""):
@@ -45,8 +56,10 @@ def assert_tensors_equal(a, b, where=""):
 def assert_same_checkpoint(a: Path, b: Path) -> None:
     """Model and optimizer equal with torch.equal; every other state identical."""
     for name in ("model", "optimizer"):
-        assert_tensors_equal(load_state(a, name), load_state(b, name), name)
-    for rel in EXACT_FILES:
+        assert_tensors_equal(load_entry(a, name), load_entry(b, name), name)
+    files = entry_files(a, EXACT_ENTRIES)
+    assert files == entry_files(b, EXACT_ENTRIES)
+    for rel in files:
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
     for rng in sorted((a / "rng").iterdir()):
         assert rng.read_bytes() == (b / "rng" / rng.name).read_bytes(), rng.name

@@ -46,7 +46,7 @@ def test_list_verify_export(tmp_path):
     trainer.train()
     live = {k: v.clone() for k, v in trainer.engine.model.state_dict().items()}
 
-    damaged = tmp_path / "checkpoint-4" / "model.safetensors"
+    damaged = tmp_path / "checkpoint-4" / "model" / "rank-00000.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:-10])
     (tmp_path / "checkpoint-2" / "manifest.json").unlink()
     (tmp_path / ".tmp-checkpoint-8").mkdir()
@@ -63,7 +63,7 @@ def test_list_verify_export(tmp_path):
 
     assert cli("verify", str(tmp_path / "checkpoint-6")).returncode == 0
     bad = cli("verify", str(tmp_path / "checkpoint-4"))
-    assert bad.returncode == 1 and "model.safetensors" in bad.stderr
+    assert bad.returncode == 1 and "rank-00000.safetensors" in bad.stderr
 
     target = tmp_path / "model.safetensors"
     assert cli("export", str(tmp_path / "checkpoint-6"), str(target)).returncode == 0

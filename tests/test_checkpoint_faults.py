@@ -14,14 +14,17 @@ import pytest
 import torch
 
 from checkpointing.manifest import CheckpointCorruptError, CheckpointError, verify
+from checkpointing.serialize import save_state
 from core.callbacks import TrainerCallback
 from core.checkpoint import ResumeMismatchError
 from core.config import load_config
 from core.loop import DistInfo
 from core.run import build_trainer
-from tests.checkpoints import file_record, flip_byte
+from tests.checkpoints import file_record, flip_byte, load_entry
 from tests.launch import SMALL as SMALL_RUN
 
+# One process writes the whole share of the model and the optimizer (checkpointing.balanced).
+MODEL, OPTIMIZER = "model/rank-00000", "optimizer/rank-00000"
 SMALL = [*SMALL_RUN, "--train.max_steps", "8", "--checkpoint.save_steps", "4"]
 
 
@@ -66,8 +69,8 @@ def truncate(p: Path) -> None:
 
 
 CORRUPTIONS = {
-    "truncated": ("model.safetensors", truncate),
-    "flipped-byte": ("optimizer.safetensors", flip_byte),
+    "truncated": ("model/rank-00000.safetensors", truncate),
+    "flipped-byte": ("optimizer/rank-00000.safetensors", flip_byte),
     "missing-file": ("rng/rank-00000.json", Path.unlink),
     "bad-manifest-json": ("manifest.json", lambda p: p.write_text("{not json")),
     "no-manifest": ("manifest.json", Path.unlink),
@@ -85,8 +88,10 @@ def test_corrupt_newest_falls_back_to_older(run_dir, kind, caplog):
 
 
 def test_corrupt_explicit_path_is_an_error(run_dir):
-    flip_byte(run_dir / "checkpoint-8" / "model.safetensors")
-    with pytest.raises(CheckpointCorruptError, match=r"model\.safetensors: blake3 differs"):
+    flip_byte(run_dir / "checkpoint-8" / "model/rank-00000.safetensors")
+    with pytest.raises(
+        CheckpointCorruptError, match=r"model/rank-00000\.safetensors: blake3 differs"
+    ):
         resume_step(run_dir, "--checkpoint.resume_from", str(run_dir / "checkpoint-8"))
 
 
@@ -95,15 +100,23 @@ def test_explicit_path_resumes_that_checkpoint(run_dir):
 
 
 def as_format_1(checkpoint: Path) -> None:
-    """Rewrite a checkpoint's manifest as this code wrote it before BLAKE3: format 1, each
-    file recorded as {"size", "sha256"} (hashed here with hashlib, not by our code)."""
-    path = checkpoint / "manifest.json"
-    manifest = json.loads(path.read_text())
+    """Rewrite a checkpoint as this code wrote it before issue 22: model and optimizer each one
+    global file pair written by rank 0 (`model.safetensors` + `model.json`), and a manifest of
+    format 1 recording each file as {"size", "sha256"} (hashed here with hashlib)."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    for name in ("model", "optimizer"):
+        whole = load_entry(checkpoint, name)
+        shutil.rmtree(checkpoint / name)
+        save_state(checkpoint, name, whole)
+        manifest["entries"][name] = "global"
     manifest["format_version"] = 1
-    for rel in manifest["files"]:
-        data = (checkpoint / rel).read_bytes()
-        manifest["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    path.write_text(json.dumps(manifest, indent=1))
+    files = [f.relative_to(checkpoint).as_posix() for f in checkpoint.rglob("*") if f.is_file()]
+    manifest["files"] = {}
+    for rel in sorted(files):
+        if rel != "manifest.json":
+            data = (checkpoint / rel).read_bytes()
+            manifest["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
 def loaded_state(run_dir: Path, *overrides: str) -> dict[str, torch.Tensor]:
@@ -126,7 +139,7 @@ def test_new_manifests_record_blake3(trained):
         assert record == file_record((trained / "checkpoint-8" / rel).read_bytes()), rel
 
 
-def test_a_sha256_checkpoint_of_format_1_verifies_and_resumes_exactly(trained, run_dir):
+def test_a_checkpoint_of_the_old_layout_verifies_and_resumes_exactly(trained, run_dir):
     expected = loaded_state(trained, "--checkpoint.resume_from", str(trained / "checkpoint-8"))
     as_format_1(run_dir / "checkpoint-8")
     assert verify(run_dir / "checkpoint-8").format_version == 1
@@ -134,6 +147,7 @@ def test_a_sha256_checkpoint_of_format_1_verifies_and_resumes_exactly(trained, r
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(got[key], value), key
+    assert (run_dir / "checkpoint-8" / "model.safetensors").is_file()
     flip_byte(run_dir / "checkpoint-8" / "optimizer.safetensors")
     with pytest.raises(CheckpointCorruptError, match=r"optimizer\.safetensors: sha256 differs"):
         verify(run_dir / "checkpoint-8")
@@ -155,9 +169,11 @@ def test_a_manifest_naming_no_known_hash_is_refused_before_any_read(run_dir, kin
     """A manifest that records a file in a way this code cannot check is never trusted."""
     ckpt = run_dir / "checkpoint-8"
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"]["model.safetensors"] = HOSTILE_RECORDS[kind]
+    manifest["files"]["model/rank-00000.safetensors"] = HOSTILE_RECORDS[kind]
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointCorruptError, match=r"unreadable manifest \(model\.safetensors: "):
+    with pytest.raises(
+        CheckpointCorruptError, match=r"unreadable manifest \(model/rank-00000\.safetensors: "
+    ):
         verify(ckpt)
     with caplog.at_level(logging.WARNING, logger="checkpointing.manager"):
         assert resume_step(run_dir) == 4
@@ -182,7 +198,9 @@ class PlantedPayload:
         return (Path.touch, (self.marker,))
 
 
-@pytest.mark.parametrize("rel", ["optimizer.safetensors", "model.safetensors", "train_state.json"])
+@pytest.mark.parametrize(
+    "rel", ["optimizer/rank-00000.safetensors", "model/rank-00000.safetensors", "train_state.json"]
+)
 def test_planted_pickle_is_refused_and_never_runs(run_dir, tmp_path, rel):
     marker = tmp_path / "pwned"
     ckpt = run_dir / "checkpoint-8"
@@ -262,12 +280,12 @@ def test_self_check_catches_rng_consumed_after_restore(run_dir):
 
 def test_self_check_catches_a_wrong_learning_rate(run_dir):
     ckpt = run_dir / "checkpoint-8"
-    structure = json.loads((ckpt / "optimizer.json").read_text())
+    structure = json.loads((ckpt / "optimizer/rank-00000.json").read_text())
     groups = structure["param_groups"]
     for g in groups:
         g["lr"] = g["lr"] * 2
-    (ckpt / "optimizer.json").write_text(json.dumps(structure))
-    rehash(ckpt, "optimizer.json")
+    (ckpt / "optimizer/rank-00000.json").write_text(json.dumps(structure))
+    rehash(ckpt, "optimizer/rank-00000.json")
     with pytest.raises(ResumeMismatchError, match="learning rate"):
         resume_step(run_dir)
 

@@ -30,7 +30,12 @@ from safetensors.torch import load_file
 from checkpointing.manifest import CheckpointError, Manifest
 from core.config import Config, load_config
 from core.elastic import fit_world_size
-from tests.checkpoints import assert_same_checkpoint, assert_same_losses, seed_resume_dir
+from tests.checkpoints import (
+    assert_same_checkpoint,
+    assert_same_losses,
+    load_entry,
+    seed_resume_dir,
+)
 from tests.conftest import free_port
 from tests.launch import (
     BIN,
@@ -96,8 +101,8 @@ def assert_close_run(ref: Path, res: Path, steps: int = STEPS) -> None:
     assert [m["step"] for m in resumed] == list(range(1, steps + 1))
     for m in resumed:
         assert m["loss"] == pytest.approx(losses[m["step"]], rel=LOSS_RTOL), m["step"]
-    a = load_file(ref / f"checkpoint-{steps}" / "model.safetensors")
-    b = load_file(res / f"checkpoint-{steps}" / "model.safetensors")
+    a = load_entry(ref / f"checkpoint-{steps}", "model")
+    b = load_entry(res / f"checkpoint-{steps}", "model")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=0, atol=WEIGHT_ATOL), k

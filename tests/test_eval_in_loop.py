@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-from checkpointing.serialize import load_state
 from core.callbacks import EarlyStoppingCallback, TrainerCallback
 from core.config import load_config
 from core.loop import DistInfo
 from core.run import build_trainer
+from tests.checkpoints import load_entry
 from tests.launch import SMALL, read_metrics
 
 EVAL = ["--eval.strategy", "steps", "--eval.steps", "2", "--eval.holdout_samples", "40"]
@@ -88,7 +88,7 @@ def test_best_checkpoint_kept_and_loaded_at_end(tmp_path):
     )
     t.train()
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-8"]
-    best = load_state(tmp_path / "checkpoint-2", "model")
+    best = load_entry(tmp_path / "checkpoint-2", "model")
     live = t.engine.model.state_dict()
     for name, tensor in best.items():
         assert torch.equal(live[name], tensor), name

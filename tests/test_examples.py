@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-from checkpointing.serialize import load_state
-from tests.checkpoints import assert_tensors_equal, seed_resume_dir
+from tests.checkpoints import assert_tensors_equal, load_entry, seed_resume_dir
 from tests.launch import BIN, REPO, read_metrics, run
 
 TIMING = ("step_time_s", "eval_runtime", "eval_samples_per_second")
@@ -42,5 +41,5 @@ def test_custom_example_resumes_bit_exactly(tmp_path):
     assert again["eval_loss"] == final["eval_loss"]
     for name in ("model", "optimizer"):
         assert_tensors_equal(
-            load_state(ref / "checkpoint-60", name), load_state(res / "checkpoint-60", name), name
+            load_entry(ref / "checkpoint-60", name), load_entry(res / "checkpoint-60", name), name
         )

@@ -25,7 +25,7 @@ from core.config import ConfigError, load_config
 from core.loop import DistInfo
 from core.run import build_trainer, open_checkpoint_storage
 from launcher.status import run_status
-from tests.checkpoints import assert_tensors_equal
+from tests.checkpoints import assert_tensors_equal, load_entry
 from tests.launch import SMALL
 
 
@@ -211,8 +211,8 @@ def test_exact_resume_from_memory_store(tmp_path):
     assert list_committed(storage)[0][0] == 12
     for name in ("model", "optimizer"):
         assert_tensors_equal(
-            load_state(tmp_path / "ref" / "run" / "checkpoint-12", name),
-            load_state(storage.child("checkpoint-12"), name),
+            load_entry(tmp_path / "ref" / "run" / "checkpoint-12", name),
+            load_entry(storage.child("checkpoint-12"), name),
             name,
         )
     assert not (tmp_path / "run" / "checkpoint-12").exists()

@@ -17,7 +17,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from checkpointing.balanced import Balanced
+from checkpointing.stateful import DirectoryState, Stateful
 from core.engines.base import Engine
+from core.engines.named_state import OptimizerState
 from core.models import call_model
 from core.schedules import Schedule
 
@@ -63,6 +66,15 @@ class DDPEngine(Engine):
     @property
     def model(self) -> nn.Module:
         return self._model
+
+    def stateful(self) -> dict[str, Stateful | DirectoryState]:
+        # Every rank holds the whole state: each writes its share (checkpointing.balanced).
+        rank, world = (dist.get_rank(), dist.get_world_size()) if self._distributed else (0, 1)
+        return {
+            "model": Balanced(self.model, rank, world),
+            "optimizer": Balanced(OptimizerState(self.model, self.optimizer), rank, world),
+            "scheduler": self.schedule,
+        }
 
     def train(self, mode: bool = True) -> None:
         self._wrapped.train(mode)

@@ -5,7 +5,7 @@ torch's `Optimizer.state_dict()` keys parameters by their position in the param 
 fully qualified name. Both engines build their groups with core.optim.parameter_groups, in the
 order of `model.named_parameters()`, so position i is the i-th name of the flattened groups:
 these functions translate one form into the other. The DDP engine keeps torch's form on disk
-(its checkpoints are unchanged) and accepts the named one when it loads.
+(in shares, checkpointing.balanced) and accepts the named one when it loads.
 """
 
 from __future__ import annotations
