@@ -100,6 +100,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
         [
             *("fsdp_vs_ddp", "fsdp_save_bytes_per_rank"),
             *("fsdp_save_peak_memory", "fsdp_save_throughput"),
+            *("save_bytes_per_rank", "ddp_save_peak_memory", "ddp_save_throughput"),
         ],
     ),
     "hash": (

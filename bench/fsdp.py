@@ -1,20 +1,21 @@
-"""The FSDP engine on 2 processes: training speed against DDP, and what a sharded save costs.
+"""Sharded saves on 2 processes (FSDP's shards, DDP's shares), and FSDP's speed against DDP.
 
 `fsdp_vs_ddp`: steps/s of the launcher (`torchrun --nproc-per-node 2 -m launcher`, a TinyGPT
 of --n-layer x --n-embd) with engine.name fsdp against ddp, alternating fresh runs, steady-state
 steps/s from metrics.jsonl (the first 10% left out); report only: on CPU with gloo FSDP pays
 an all-gather per block in forward and backward that DDP does not.
 
-The save figures come from one torchrun of 2 workers (this script with --worker): a TinyGPT
-under the FSDP engine trains 3 AdamW steps, then saves through the CheckpointManager, as the
-launcher does:
-- `fsdp_save_bytes_per_rank`: the bytes the busiest rank wrote over total / world size
-  (target <= 1.1; each rank writes its own shards of model and optimizer);
-- `fsdp_save_peak_memory`: the largest rank's peak RSS during the saves over its peak during
-  training (target <= 1.1; no rank gathers the full state);
-- `fsdp_save_throughput`: the ranks' bytes over the wall time of a save (barrier to barrier)
-  against a plain write + fsync of the same bytes per rank, every rank writing at once,
-  alternating, medians (target >= 0.9).
+The save figures come from one torchrun of 2 workers per engine (this script with --worker): a
+TinyGPT trains 3 AdamW steps under the FSDP engine (then the DDP engine), then saves through
+the CheckpointManager, as the launcher does:
+- `fsdp_save_bytes_per_rank` / `save_bytes_per_rank` (DDP): the bytes the busiest rank wrote
+  over total / world size (target <= 1.1; FSDP: each rank writes its own shards; DDP: each
+  rank writes its share of the replicated model and optimizer, checkpointing.balanced);
+- `fsdp_save_peak_memory` / `ddp_save_peak_memory`: the largest rank's peak RSS during the
+  saves over its peak during training (target <= 1.1; no rank gathers or copies the state);
+- `fsdp_save_throughput` / `ddp_save_throughput`: the ranks' bytes over the wall time of a save
+  (barrier to barrier) against a plain write + fsync of the same bytes per rank, every rank
+  writing at once, alternating, medians (target >= 0.9).
 
     python bench/fsdp.py [--reps 3] [--steps 200] [--n-layer 4] [--n-embd 256]
 """
@@ -53,6 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     from checkpointing.comm import control_group
     from checkpointing.manager import CheckpointManager, Entry
     from core.config import OptimConfig
+    from core.engines.ddp import DDPEngine
     from core.engines.fsdp import FSDPEngine
     from core.models.tiny_gpt import TinyGPT
     from core.optim import build_optimizer
@@ -63,12 +65,18 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = TinyGPT(n_layer=args.n_layer, n_head=8, n_embd=args.n_embd, block_size=64, dropout=0)
     optim = OptimConfig(name="adamw_torch", lr=1e-4)
-    engine = FSDPEngine(
-        model,
-        lambda m: build_optimizer(m, optim, torch.device("cpu")),
-        lambda o: build_schedule(o, "constant", 10, 0, 0.0, {}),
-        torch.device("cpu"),
-    )
+    cpu = torch.device("cpu")
+    if args.engine == "fsdp":
+        engine = FSDPEngine(
+            model,
+            lambda m: build_optimizer(m, optim, cpu),
+            lambda o: build_schedule(o, "constant", 10, 0, 0.0, {}),
+            cpu,
+        )
+    else:
+        optimizer = build_optimizer(model, optim, cpu)
+        schedule = build_schedule(optimizer, "constant", 10, 0, 0.0, {})
+        engine = DDPEngine(model, optimizer, schedule, cpu)
     for _ in range(3):
         x = torch.randint(0, 256, (4, 64))
         engine.backward(engine.forward({"input_ids": x, "labels": x}), 1)
@@ -78,7 +86,7 @@ def worker(args: argparse.Namespace) -> None:
     group = control_group()
     # The parent's temporary directory: the same for every rank.
     root = Path(args.dir)
-    manager = CheckpointManager(root / "run", rank, world, engine="fsdp", group=group)
+    manager = CheckpointManager(root / "run", rank, world, engine=args.engine, group=group)
 
     def ours(step: int) -> float:
         dist.barrier(group)
@@ -117,6 +125,12 @@ def worker(args: argparse.Namespace) -> None:
     per_rank = [None] * world
     dist.all_gather_object(per_rank, (mine, peak_train, peak_save, times), group=group)
     if rank == 0:
+        # FSDP: fsdp_save_*; DDP: save_bytes_per_rank, ddp_save_* (its replicated state in shares).
+        names = {
+            k: f"{args.engine}_save_{k}" for k in ("bytes_per_rank", "peak_memory", "throughput")
+        }
+        if args.engine == "ddp":
+            names["bytes_per_rank"] = "save_bytes_per_rank"
         sizes = [m for m, _, _, _ in per_rank]
         total = sum(sizes)
         config = {
@@ -124,10 +138,11 @@ def worker(args: argparse.Namespace) -> None:
             "world_size": world,
             "bytes": total,
             "storage": "local disk",
+            "engine": args.engine,
             "reps": args.reps,
         }
         figure(
-            "fsdp_save_bytes_per_rank",
+            names["bytes_per_rank"],
             max(sizes),
             "bytes",
             ratio_to="total bytes / world size",
@@ -137,7 +152,7 @@ def worker(args: argparse.Namespace) -> None:
         )
         ratios = [s / t for _, t, s, _ in per_rank]
         figure(
-            "fsdp_save_peak_memory",
+            names["peak_memory"],
             max(s for _, _, s, _ in per_rank),
             "MB peak RSS",
             ratio_to="peak RSS during training (same rank)",
@@ -152,9 +167,9 @@ def worker(args: argparse.Namespace) -> None:
         }
         ours_mb = statistics.median(total / t / 1e6 for t in slowest["ours"])
         plain_mb = statistics.median(total / t / 1e6 for t in slowest["plain"])
-        detail("fsdp_save_seconds", **slowest)
+        detail(f"{args.engine}_save_seconds", **slowest)
         figure(
-            "fsdp_save_throughput",
+            names["throughput"],
             ours_mb,
             "MB/s",
             ratio_to="plain write + fsync of the same bytes per rank, all ranks at once",
@@ -196,6 +211,7 @@ def main() -> None:
     p.add_argument("--save-embd", type=int, default=768, help="the save figures' model width")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--engine", default="fsdp", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
@@ -205,8 +221,10 @@ def main() -> None:
     cmd = [torchrun, "--standalone", f"--nproc-per-node={NPROC}", __file__, "--worker"]
     cmd += ["--reps", str(args.reps)]
     cmd += ["--n-layer", str(args.save_layers), "--n-embd", str(args.save_embd)]
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench_fsdp_") as shared:
-        subprocess.run([*cmd, "--dir", shared], cwd=REPO, env=child_env(1), check=True)
+    for engine in ("fsdp", "ddp"):
+        with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench_fsdp_") as shared:
+            run = [*cmd, "--dir", shared, "--engine", engine]
+            subprocess.run(run, cwd=REPO, env=child_env(1), check=True)
 
 
 if __name__ == "__main__":
