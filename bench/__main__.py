@@ -70,7 +70,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
         "checkpoint_save.py",
         [],
         ["--reps", "1", *SMALL_MODEL],
-        ["save_throughput", "save_peak_memory"],
+        ["save_throughput", "save_peak_memory", "load_throughput"],
     ),
     "async_save": (
         "async_save.py",

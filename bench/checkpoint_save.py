@@ -2,9 +2,14 @@
 memory during a save against peak memory during training.
 
 A TinyGPT of 8 x 768 (56.7M parameters) trains a few AdamW steps; then, in the same process and
-directory, our save (CheckpointManager: safetensors + JSON, sha256 while writing, fsync, atomic
+directory, our save (CheckpointManager: safetensors + JSON, BLAKE3 while writing, fsync, atomic
 rename) alternates with a plain sequential write of the same number of bytes (one write, one
 fsync). Medians of the MB/s; peak RSS (ru_maxrss) after training vs after the first save.
+
+`load_throughput`: a resume of the last such checkpoint (Restorer: resolve `latest`, which
+verifies every file's hash, then load model and optimizer into fresh objects: read + decode)
+against a plain read of the same files into memory, alternating, medians; both read from the
+page cache (the files were just written), so the figure is the cost of verifying and decoding.
 
     python bench/checkpoint_save.py [--reps 7] [--dir DIR] [--n-layer 8] [--n-embd 768]
 """
@@ -28,6 +33,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import detail, figure  # noqa: E402
 from checkpointing.manager import CheckpointManager, Entry  # noqa: E402
+from checkpointing.restore import Restorer  # noqa: E402
+from checkpointing.storage import LocalStorage  # noqa: E402
 from core.models.tiny_gpt import TinyGPT  # noqa: E402
 from core.optim import parameter_groups  # noqa: E402
 
@@ -71,6 +78,24 @@ def plain_write(directory: Path, payload: bytes) -> float:
     return seconds
 
 
+def resume(run: Path, entries: dict[str, Entry]) -> float:
+    t0 = time.perf_counter()
+    restorer = Restorer(LocalStorage(run), 0, 1, None, None)
+    found = restorer.resolve("latest")
+    assert found is not None, "no checkpoint to resume"
+    restorer.load(*found, entries)
+    return time.perf_counter() - t0
+
+
+def plain_read(checkpoint: Path) -> float:
+    t0 = time.perf_counter()
+    for path in sorted(checkpoint.rglob("*")):
+        if path.is_file():
+            with open(path, "rb", buffering=0) as f:
+                f.read()
+    return time.perf_counter() - t0
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """The benchmark model's size (TinyGPT, 12 heads): 8 x 768 is 57M parameters."""
     parser.add_argument("--n-layer", type=int, default=8)
@@ -101,6 +126,21 @@ def main() -> None:
                     plain.append(size / plain_write(Path(tmp), payload) / 1e6)
                 else:
                     ours.append(size / save(manager, rep, entries)[0] / 1e6)
+        manager.save(args.reps + 1, entries, {}, "bench", checks={}, rank_checks={})
+        checkpoint = Path(tmp) / "run" / f"checkpoint-{args.reps + 1}"
+        fresh_model, fresh_opt = train(0, args.n_layer, args.n_embd)
+        into = {"model": Entry(fresh_model), "optimizer": Entry(fresh_opt)}
+        loads: dict[str, list[float]] = {"ours": [], "plain": []}
+        for rep in range(args.reps):
+            for side in ("plain", "ours") if rep % 2 else ("ours", "plain"):
+                seconds = (
+                    resume(Path(tmp) / "run", into) if side == "ours" else plain_read(checkpoint)
+                )
+                loads[side].append(size / seconds / 1e6)
+        for a, b in zip(
+            model.state_dict().values(), fresh_model.state_dict().values(), strict=True
+        ):
+            assert torch.equal(a, b), "the loaded model differs from the saved one"
     config = {"params": n_params, "bytes": size, "reps": args.reps, "storage": "local disk"}
     detail("save_mb_per_s", ours=ours, plain=plain)
     figure(
@@ -116,6 +156,16 @@ def main() -> None:
         ratio_best=max(ours) / max(plain),
         best_mb_per_s=max(ours),
         plain_best_mb_per_s=max(plain),
+    )
+    detail("load_mb_per_s", **loads)
+    figure(
+        "load_throughput",
+        statistics.median(loads["ours"]),
+        "MB/s",
+        ratio_to="plain read of the same files (page cache warm on both sides)",
+        ratio=statistics.median(loads["ours"]) / statistics.median(loads["plain"]),
+        config=config,
+        plain_mb_per_s=statistics.median(loads["plain"]),
     )
     figure(
         "save_peak_memory",
