@@ -42,6 +42,12 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
         ["--nproc", "2", "--reps", "1", "--steps", "12", "--check", "5"],
         ["loop_overhead_ddp"],
     ),
+    "loop_overhead_null": (
+        "loop_overhead.py",
+        ["--null", "--reps", "5", "--steps", "600"],
+        ["--null", "--reps", "1", "--steps", "12", "--check", "5"],
+        ["loop_overhead_null"],
+    ),
     "data_path": (
         "data_path.py",
         [],

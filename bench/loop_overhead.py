@@ -10,7 +10,13 @@ With `--nproc 2` both sides run under `torchrun --standalone`: the launcher agai
 loop (gloo, each rank its interleaved share of the same permutation, the logged loss averaged
 over ranks with one all-reduce, as the launcher logs it).
 
+With `--null` both sides train a TinyGPT of 1 layer x 8 on sequences of 8, batch 1, a step that
+costs almost nothing: `loop_overhead_null` is the launcher's median step time minus the raw
+loop's (alternating fresh runs, the difference per pair of runs, median), the host work per step
+that a GPU would sit idle through.
+
     .venv/bin/python bench/loop_overhead.py [--steps N] [--reps R] [--threads T] [--nproc P]
+    .venv/bin/python bench/loop_overhead.py --null [--steps N] [--reps R]
 """
 
 from __future__ import annotations
@@ -146,7 +152,12 @@ def child_env(threads: int) -> dict[str, str]:
 
 
 def run_side(
-    side: str, steps: int, threads: int, nproc: int = 1, extra: Sequence[str] = ()
+    side: str,
+    steps: int,
+    threads: int,
+    nproc: int = 1,
+    extra: Sequence[str] = (),
+    config: str = CONFIG,
 ) -> tuple[list[float], list[float]]:
     """One fresh process (group) of `side` ("ours" or "raw"): (loss per step, seconds per step).
 
@@ -157,7 +168,7 @@ def run_side(
         python = [torchrun, "--standalone", f"--nproc-per-node={nproc}"]
     with tempfile.TemporaryDirectory(prefix=f"loop_overhead_{side}_") as tmp:
         if side == "ours":
-            cmd = [*python, "-m", "launcher", "--config", CONFIG]
+            cmd = [*python, "-m", "launcher", "--config", config]
             cmd += ["--train.max_steps", str(steps), "--train.logging_steps", "1"]
             cmd += ["--train.progress_bar", "never"]
             cmd += ["--run.output_dir", str(Path(tmp, "run")), *extra]
@@ -165,6 +176,7 @@ def run_side(
         else:
             out = Path(tmp, "raw.json")
             cmd = [*python, __file__, "--raw", "--steps", str(steps), "--out", str(out)]
+            cmd += ["--config", config]
         proc = subprocess.run(cmd, cwd=ROOT, env=child_env(threads), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{side} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -192,6 +204,59 @@ def steady_rates(step_times: list[float], warmup_frac: float) -> tuple[float, fl
     return len(kept) / sum(kept), 1.0 / statistics.median(kept)
 
 
+# A step that costs almost nothing on any device: what is left is host work per step.
+NULL_MODEL = [
+    *("--model.n_layer", "1", "--model.n_head", "1", "--model.n_embd", "8"),
+    *("--model.block_size", "8", "--data.seq_len", "8", "--train.per_device_batch_size", "1"),
+]
+
+
+def null_overhead(args: argparse.Namespace) -> int:
+    """`loop_overhead_null`: median step time of the launcher minus the raw loop's, in ms, on
+    NULL_MODEL (both sides read the same derived config file)."""
+    import yaml
+
+    sys.path.insert(0, str(ROOT))
+    from core.config import load_config
+
+    cfg = load_config(str(ROOT / CONFIG), NULL_MODEL).to_dict()
+    step_ms: dict[str, list[float]] = {"ours": [], "raw": []}
+    first: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="loop_overhead_null_") as tmp:
+        config = str(Path(tmp, "null.yaml"))
+        Path(config).write_text(yaml.safe_dump(cfg, sort_keys=False))
+        for rep in range(args.reps):
+            for side in ("ours", "raw") if rep % 2 == 0 else ("raw", "ours"):
+                losses, times = run_side(side, args.steps, args.threads, 1, config=config)
+                first.setdefault(side, losses)
+                kept = times[math.ceil(len(times) * args.warmup) :]
+                step_ms[side].append(statistics.median(kept) * 1e3)
+                detail("loop_overhead_null_run", side=side, rep=rep, step_ms=step_ms[side][-1])
+    diffs = [a - b for a, b in zip(step_ms["ours"], step_ms["raw"], strict=True)]
+    k = min(args.check, args.steps)
+    same = first["ours"][:k] == first["raw"][:k]
+    figure(
+        "loop_overhead_null",
+        round(statistics.median(diffs), 4),
+        "ms of host time per step over the raw loop",
+        ratio_to="the raw loop's median step time",
+        ratio=round(statistics.median(step_ms["ours"]) / statistics.median(step_ms["raw"]), 4),
+        config={
+            "model": "tiny-gpt 1 x 8, seq_len 8, batch 1 (configs/tiny.yaml otherwise)",
+            "reps": args.reps,
+            "steps": args.steps,
+            "threads": args.threads,
+        },
+        ours_step_ms=round(statistics.median(step_ms["ours"]), 4),
+        raw_step_ms=round(statistics.median(step_ms["raw"]), 4),
+        per_rep_ms=[round(d, 4) for d in diffs],
+        same_losses_first_steps=same,
+        wall_s=round(time.perf_counter() - start, 1),
+    )
+    return 0 if same or torch_cuda() else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=600, help="optimizer steps per run")
@@ -202,12 +267,20 @@ def main(argv: list[str] | None = None) -> int:
     # run ~70x slower at random (a descheduled vCPU stalls every barrier); --threads 2 to compare.
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for both sides")
     p.add_argument("--nproc", type=int, default=1, help="processes per side (torchrun if > 1)")
+    p.add_argument(
+        "--null",
+        action="store_true",
+        help="a model whose step is almost free (figure loop_overhead_null: host ms per step)",
+    )
+    p.add_argument("--config", default=CONFIG, help=argparse.SUPPRESS)
     p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.raw:
-        raw_loop(CONFIG, args.steps, args.out)
+        raw_loop(args.config, args.steps, args.out)
         return 0
+    if args.null:
+        return null_overhead(args)
 
     rates: dict[str, list[float]] = {"ours": [], "raw": []}
     typical: dict[str, list[float]] = {"ours": [], "raw": []}
@@ -215,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for rep in range(args.reps):
         for side in ("ours", "raw"):
-            losses, step_times = run_side(side, args.steps, args.threads, args.nproc)
+            losses, step_times = run_side(
+                side, args.steps, args.threads, args.nproc, config=args.config
+            )
             first.setdefault(side, losses)
             rate, median_rate = steady_rates(step_times, args.warmup)
             rates[side].append(rate)
