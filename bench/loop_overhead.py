@@ -251,6 +251,7 @@ def null_overhead(args: argparse.Namespace) -> int:
         ours_step_ms=round(statistics.median(step_ms["ours"]), 4),
         raw_step_ms=round(statistics.median(step_ms["raw"]), 4),
         per_rep_ms=[round(d, 4) for d in diffs],
+        signed=True,  # a difference: below zero when the launcher is the faster
         same_losses_first_steps=same,
         wall_s=round(time.perf_counter() - start, 1),
     )
