@@ -18,6 +18,7 @@ import dataclasses
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -27,12 +28,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from checkpointing.manifest import CheckpointError, Manifest
+from checkpointing.manifest import (
+    CheckpointCorruptError,
+    CheckpointError,
+    Manifest,
+    read_manifest,
+    verify,
+)
+from checkpointing.restore import Restorer
+from checkpointing.storage import LocalStorage
 from core.config import Config, load_config
 from core.elastic import fit_world_size
 from tests.checkpoints import (
     assert_same_checkpoint,
     assert_same_losses,
+    flip_byte,
     load_entry,
     seed_resume_dir,
 )
@@ -130,6 +140,23 @@ def test_two_ranks_resume_on_one(tmp_path):
     assert "gradient_accumulation_steps 1 -> 2 keeps the global batch at 16" in restarted.output
     assert_same_losses(res, again)
     assert_same_checkpoint(res / f"checkpoint-{STEPS}", again / f"checkpoint-{STEPS}")
+    assert_written_in_shares(ref, tmp_path / "corrupt")
+
+
+def assert_written_in_shares(ref: Path, scratch: Path) -> None:
+    """Both ranks of a DDP run wrote half the model and optimizer bytes; a flipped byte in
+    rank 1's part is named and the previous checkpoint is resumed instead."""
+    final = ref / f"checkpoint-{STEPS}"
+    files = read_manifest(LocalStorage(final)).files
+    for name in ("model", "optimizer"):
+        sizes = [files[f"{name}/rank-{r:05d}.safetensors"]["size"] for r in range(2)]
+        assert max(sizes) / (sum(sizes) / 2) < 1.1, (name, sizes)
+    shutil.copytree(ref, scratch, ignore=shutil.ignore_patterns("*.jsonl"))
+    flip_byte(scratch / f"checkpoint-{STEPS}" / "optimizer" / "rank-00001.safetensors")
+    with pytest.raises(CheckpointCorruptError, match=r"optimizer/rank-00001\.safetensors: blake3"):
+        verify(scratch / f"checkpoint-{STEPS}")
+    found = Restorer(LocalStorage(scratch), 0, 1, None, None).resolve("latest")
+    assert found is not None and found[1].step == 24
 
 
 def test_one_rank_resumes_on_two_deterministically(tmp_path):
