@@ -161,12 +161,15 @@ class CheckpointManager:
         if not background:
             location = self._write_and_commit(snap, self.group)
             return [*done, SaveOutcome(step, location, time.perf_counter() - t0)]
+        # Every tensor the writer will read: staging buffers and the private copies encoding
+        # made (a GPU tensor is copied to the host there, so the buffers alone undercount).
+        held = sum(t.numel() * t.element_size() for _, _, ts in snap.files for t in ts.values())
         logger.info(
             "checkpoint-%d staged in %.2f s (%.1f MB held for the writer); writing in the "
             "background",
             step,
             time.perf_counter() - t0,
-            self._staging.nbytes / 1e6,
+            held / 1e6,
         )
         group = self._writer_group
         self._inflight = BackgroundSave(step, lambda: self._write_and_commit(snap, group))

@@ -3,6 +3,7 @@ fsspec's memory:// filesystem (object-store semantics: no rename, the manifest i
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import pytest
@@ -165,6 +166,19 @@ def test_background_save_writes_the_state_as_it_was_when_staged(tmp_path):
     for rel in ("w.safetensors", "w.json"):
         a = (tmp_path / "async" / "checkpoint-1" / rel).read_bytes()
         assert a == (tmp_path / "sync" / "checkpoint-1" / rel).read_bytes(), rel
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_an_async_save_reports_the_bytes_it_holds(tmp_path, caplog, layout):
+    """A view of live memory is copied into a staging buffer, a transposed tensor (like a GPU
+    tensor) into a private copy when it is encoded: the log counts both (the copy was missed)."""
+    big = torch.randn(1000, 1000)
+    weights = Weights(big if layout == "contiguous" else big.t())
+    manager = CheckpointManager(tmp_path / "run", async_save=True)
+    with caplog.at_level(logging.INFO, logger="checkpointing.manager"):
+        save(manager, 1, weights, background=True)
+        manager.wait()
+    assert "(4.0 MB held for the writer)" in caplog.text, caplog.text
 
 
 def test_at_most_one_save_in_flight(tmp_path, caplog):
