@@ -35,7 +35,8 @@ def _tensors(state: Any, out: list[torch.Tensor]) -> None:
 
 def _view_key(t: torch.Tensor) -> tuple:
     """Identifies a view of memory: tied weights (one tensor under two names) share one split."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+    where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset())
+    return (*where, tuple(t.shape), t.stride())
 
 
 def row_ranges(state: Any, world_size: int) -> dict[tuple, list[tuple[int, int]]]:
