@@ -20,7 +20,7 @@ from core.config import ConfigError, DataConfig, load_config
 from core.data import build_dataset
 from core.data.stream import StreamPosition, _Shard
 from core.trainer import Trainer
-from tests.checkpoints import assert_tensors_equal
+from tests.checkpoints import assert_tensors_equal, load_entry
 from tests.launch import SMALL, read_metrics
 
 ROWS = build_dataset(DataConfig(seq_len=32, max_bytes=100 * 32))["input_ids"]
@@ -74,7 +74,7 @@ def test_stream_resume_is_exact(tmp_path, step):
     assert untimed(res)[-(20 - step) :] == untimed(ref)[step:]
     for name in ("model", "optimizer"):
         assert_tensors_equal(
-            load_state(ref / "checkpoint-20", name), load_state(res / "checkpoint-20", name), name
+            load_entry(ref / "checkpoint-20", name), load_entry(res / "checkpoint-20", name), name
         )
 
 
@@ -272,5 +272,5 @@ def test_trainer_resumes_hf_stream_from_its_state(tmp_path, step):
     assert untimed(res)[-(20 - step) :] == untimed(ref)[step:]
     for name in ("model", "optimizer"):
         assert_tensors_equal(
-            load_state(ref / "checkpoint-20", name), load_state(res / "checkpoint-20", name), name
+            load_entry(ref / "checkpoint-20", name), load_entry(res / "checkpoint-20", name), name
         )
