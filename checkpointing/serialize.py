@@ -123,9 +123,8 @@ class _Encoder:
         self._views[view] = key
         return {TENSOR: key}
 
-    def _piece(self, t: DTensor, path: list[str]) -> dict[str, Any]:
-        """This rank's piece of a sharded tensor and where it sits in the whole: the
-        description a load on any number of ranks reads (see checkpointing/sharded.py)."""
+    def _share(self, t: DTensor, path: list[str]) -> Share:
+        """This rank's block of a DTensor and where it sits in the whole."""
         local = t.to_local()
         # The DTensor layout's own arithmetic (torch.distributed.checkpoint uses it too).
         shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
@@ -134,20 +133,23 @@ class _Encoder:
                 f"cannot save {'.'.join(path)}: a DTensor whose local shape "
                 f"{tuple(local.shape)} is not its layout's {tuple(shape)}"
             )
+        return Share(local, tuple(t.shape), tuple(int(o) for o in offsets))
+
+    def _piece(self, s: Share, path: list[str]) -> dict[str, Any]:
+        """One rank's piece of a tensor and where it sits in the whole: the description a load
+        on any number of ranks reads (see checkpointing/sharded.py)."""
         return {
-            "shape": list(t.shape),
-            "offsets": [int(o) for o in offsets],
-            "dtype": _DTYPES[t.dtype],
-            "tensor": self._tensor(local, path),
+            "shape": list(s.shape),
+            "offsets": list(s.offsets),
+            "dtype": _DTYPES[s.local.dtype],
+            "tensor": self._tensor(s.local, path),
         }
 
     def __call__(self, obj: Any, path: list[str]) -> Any:
         if isinstance(obj, DTensor):
-            return {PIECE: self._piece(obj, path)}
+            return {PIECE: self._piece(self._share(obj, path), path)}
         if isinstance(obj, Share):
-            piece = {"shape": list(obj.shape), "offsets": list(obj.offsets)}
-            piece["dtype"] = _DTYPES[obj.local.dtype]
-            return {PIECE: {**piece, "tensor": self._tensor(obj.local, path)}}
+            return {PIECE: self._piece(obj, path)}
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, path)
         if isinstance(obj, _SCALARS):
