@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.comm import barrier, broadcast_object, gather_objects
+from checkpointing.lease import Lease, LeaseLost
 from checkpointing.manifest import (
     MANIFEST,
     Manifest,
@@ -104,8 +105,12 @@ class CheckpointManager:
         greater_is_better: bool = False,
         async_save: bool = False,
         storage_options: dict[str, Any] | None = None,
+        lease: Lease | None = None,
     ) -> None:
         self.storage = as_storage(root)
+        self.lease = lease
+        """The run's lease (checkpointing/lease.py): checked right before every commit, rename
+        and delete; None writes without one."""
         self._restorer = Restorer(self.storage, rank, world_size, group, storage_options)
         self.rank = rank
         self.world_size = world_size
@@ -218,7 +223,10 @@ class CheckpointManager:
         stage: bool,
     ) -> _Snapshot:
         local = self.storage.atomic_rename
-        target = f"{TMP_PREFIX}{step}" if local else f"checkpoint-{step}"
+        # A temp directory of its own per lease epoch: a job that lost the lease and still
+        # writes never writes into the holder's.
+        epoch = f"-e{self.lease.epoch}" if self.lease is not None else ""
+        target = f"{TMP_PREFIX}{step}{epoch}" if local else f"checkpoint-{step}"
         error = None
         if self.rank == 0:
             try:
@@ -226,6 +234,8 @@ class CheckpointManager:
                     f"preparing {self.storage.display(target)}",
                     lambda: self._prepare_target(target),
                 )
+            except LeaseLost as e:
+                error = e
             except OSError as e:
                 error = CheckpointSaveError(f"checkpoint-{step} was not started: {e}")
         error = broadcast_object(error, self.group)  # every rank learns it (a barrier too)
@@ -258,8 +268,14 @@ class CheckpointManager:
             barrier(self.group)  # every rank's engine files are written before any is hashed
         return _Snapshot(step, target, files, directories, staged, header, rank_checks)
 
+    def _fence(self, what: str) -> None:
+        """Raise LeaseLost unless this job still holds the run's lease."""
+        if self.lease is not None:
+            self.lease.check(what)
+
     def _prepare_target(self, target: str) -> None:
         """Rank 0, before any rank writes: an empty place for this step's files."""
+        self._fence(f"preparing {self.storage.display(target)}")
         if self.storage.atomic_rename:
             root = self.storage.local_path()
             root.mkdir(parents=True, exist_ok=True)
@@ -278,30 +294,35 @@ class CheckpointManager:
         target = self.storage.child(snap.target)
         digests: dict[str, FileDigest] = {}
         error = None
+        lost = False
         try:
+            self._fence(f"writing checkpoint-{snap.step}")
             digests.update(_write_files(target, snap.files))
             if snap.directories:
                 digests.update(self._directory_digests(target, snap))
         except Exception as e:
-            error = f"rank {self.rank}: {e}"
+            error, lost = f"rank {self.rank}: {e}", isinstance(e, LeaseLost)
             logger.error("checkpoint-%d: %s", snap.step, error)
         finally:
             if snap.staged is not None:
                 shutil.rmtree(snap.staged, ignore_errors=True)
-        gathered = gather_objects((digests, snap.rank_checks, error), group)
+        gathered = gather_objects((digests, snap.rank_checks, (error, lost)), group)
         outcome = None
         if self.rank == 0:
-            errors = [err for _, _, err in gathered if err]
+            errors = [err for _, _, err in gathered if err[0]]
             if errors:
-                outcome = f"checkpoint-{snap.step} was not committed: {errors[0]}"
+                error, lost = errors[0]
+                outcome = (f"checkpoint-{snap.step} was not committed: {error}", lost)
             else:
                 try:
                     self._commit(snap, gathered)
                 except Exception as e:
-                    outcome = f"checkpoint-{snap.step} was not committed: {e}"
+                    lost = isinstance(e, LeaseLost)
+                    outcome = (f"checkpoint-{snap.step} was not committed: {e}", lost)
         outcome = broadcast_object(outcome, group)
         if outcome is not None:
-            raise CheckpointSaveError(outcome)
+            message, lost = outcome
+            raise (LeaseLost if lost else CheckpointSaveError)(message)
         return self.storage.display(f"checkpoint-{snap.step}")
 
     def _directory_digests(self, target: Storage, snap: _Snapshot) -> dict[str, FileDigest]:
@@ -341,6 +362,7 @@ class CheckpointManager:
             entries=snap.header["entries"],
             checks=checks,
             created=time.time(),
+            lease_epoch=self.lease.epoch if self.lease is not None else None,
         )
         final = f"checkpoint-{snap.step}"
         target = self.storage.child(snap.target)
@@ -348,12 +370,14 @@ class CheckpointManager:
         if self.storage.atomic_rename:
             for sub in sorted({rel.rpartition("/")[0] for rel in files}):
                 target.sync_dir(sub)
+            self._fence(f"committing {final}")
             target.write_bytes(MANIFEST, data)  # the commit marker, written last
             target.sync_dir()
             self._rename_into_place(snap.target, final)
         else:
             # Every object is confirmed written (each rank's upload returned): the manifest
             # object is the commit.
+            self._fence(f"committing {final}")
             retrying(
                 f"writing {target.display(MANIFEST)}",
                 lambda: target.write_bytes(MANIFEST, data),
@@ -368,6 +392,7 @@ class CheckpointManager:
         self._retain(keep=final)
 
     def _rename_into_place(self, tmp: str, final: str) -> None:
+        self._fence(f"renaming {tmp} to {final}")
         if self.storage.exists(final):
             # An earlier attempt at this step: uncommitted, corrupt, or left by a run that was
             # resumed from an older checkpoint. rename cannot replace a non-empty directory,
@@ -389,6 +414,8 @@ class CheckpointManager:
                 if old not in protected:
                     logger.info("deleting %s (save_total_limit %d)", old, self.save_total_limit)
                     self.delete(old)
+        except LeaseLost as e:  # the checkpoint committed; the loop stops at the next step
+            logger.error("retention: %s", e)
         except OSError as e:
             logger.warning("retention: %s; the next save retries", e)
 
@@ -410,6 +437,7 @@ class CheckpointManager:
         self._store(f"deleting {self.storage.display(name)}", lambda: self._delete(name))
 
     def _delete(self, name: str) -> None:
+        self._fence(f"deleting {self.storage.display(name)}")
         if self.storage.atomic_rename:
             # Rename first so that a half-deleted directory never looks like a checkpoint.
             trash = f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
@@ -435,6 +463,7 @@ class CheckpointManager:
             self._store(f"cleaning {self.root}", self._clean_leftovers)
 
     def _clean_leftovers(self) -> None:
+        self._fence(f"cleaning {self.root}")
         committed = {name for _, name in list_committed(self.storage)}
         for name in self.storage.listdir():
             leftover = name.startswith((TMP_PREFIX, TRASH_PREFIX)) or (

@@ -16,9 +16,10 @@ from typing import Any
 from checkpointing.digest import DigestRecordError, digest_stream, recorded
 from checkpointing.storage import Storage, as_storage, retrying
 
-# 2: files recorded as {"size", "hash": {"algorithm", "digest"}} (BLAKE3); 1: {"size", "sha256"}.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: lease_epoch recorded; 2: files recorded as {"size", "hash": {"algorithm", "digest"}}
+# (BLAKE3); 1: {"size", "sha256"}.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
@@ -49,6 +50,9 @@ class Manifest:
     """Values recomputed after loading (lr, next sample ids, per-rank RNG fingerprints)."""
     created: float = 0.0
     format_version: int = FORMAT_VERSION
+    lease_epoch: int | None = None
+    """The epoch of the run's lease the committing job held (checkpointing/lease.py); None
+    when saved without a lease (the Python API's CheckpointManager alone, older versions)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

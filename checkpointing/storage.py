@@ -19,7 +19,9 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -239,6 +241,16 @@ class Storage:
         """Delete a file or a tree; nothing when it does not exist."""
         raise NotImplementedError
 
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Create `rel` holding `data` if nothing is there, atomically against every other
+        writer of the store: True if this call created it, False if it existed. The whole
+        content is visible at once. NotImplementedError where the store has no such primitive."""
+        raise NotImplementedError(f"{self.display()}: no create-if-absent on this store")
+
+    def replace_bytes(self, rel: str, data: bytes) -> None:
+        """Replace `rel` so that a reader sees the old content or the new, never a mix."""
+        self.write_bytes(rel, data)  # an object put replaces the whole object at once
+
     def rename(self, src: str, dst: str) -> None:
         raise NotImplementedError(f"{self.url}: no atomic rename on this storage")
 
@@ -320,6 +332,36 @@ class LocalStorage(Storage):
 
     def rename(self, src: str, dst: str) -> None:
         self._p(src).rename(self._p(dst))
+
+    def _write_aside(self, rel: str, data: bytes) -> Path:
+        """`data` in a durable file of a unique name beside `rel`."""
+        path = self._p(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        aside = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        with open(aside, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return aside
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        # link(2) of a complete file fails with EEXIST when the name exists: atomic on local
+        # filesystems and on NFS (where O_EXCL has not always been), and a reader never sees
+        # the file half written, as it could after O_CREAT|O_EXCL then write.
+        aside = self._write_aside(rel, data)
+        try:
+            os.link(aside, self._p(rel))
+        except FileExistsError:
+            return False
+        finally:
+            aside.unlink()
+        self.sync_dir(str(Path(rel).parent) if "/" in rel else "")
+        return True
+
+    def replace_bytes(self, rel: str, data: bytes) -> None:
+        aside = self._write_aside(rel, data)
+        os.replace(aside, self._p(rel))
+        self.sync_dir(str(Path(rel).parent) if "/" in rel else "")
 
     def sync_dir(self, rel: str = "") -> None:
         fd = os.open(self._p(rel), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -408,6 +450,40 @@ class FsspecStorage(Storage):
         path = self._p(rel)
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
+
+    def replace_bytes(self, rel: str, data: bytes) -> None:
+        # One put of the whole content (a streamed writer can show a partial file meanwhile,
+        # as memory:// does).
+        self.fs.pipe_file(self._p(rel), data)
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        path = self._p(rel)
+        if hasattr(self.fs, "call_s3"):
+            # S3 (and compatible stores) honour a conditional put: PreconditionFailed (s3fs
+            # raises FileExistsError) when the key exists.
+            bucket, key, _ = self.fs.split_path(path)
+            try:
+                self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            except FileExistsError:
+                return False
+            self._fresh()
+            return True
+        if _protocol(self.fs) == "memory":
+            # One process's store: a lock makes check-then-write atomic.
+            with _MEMORY_LOCK:
+                if self.fs.exists(path):
+                    return False
+                self.fs.pipe_file(path, data)
+                return True
+        return super().create_exclusive(rel, data)
+
+
+_MEMORY_LOCK = threading.Lock()
+
+
+def _protocol(fs: Any) -> str:
+    protocol = fs.protocol
+    return protocol if isinstance(protocol, str) else protocol[0]
 
 
 def open_storage(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from checkpointing.hf_export import HF_ENTRY, HFFiles
+from checkpointing.lease import LeaseLost
 from checkpointing.manager import CheckpointManager, CheckpointSaveError, Entry
 from checkpointing.manifest import CheckpointError, read_manifest
 from checkpointing.restore import source_rank
@@ -36,6 +37,8 @@ NEUTRAL_FIELDS = {
     "run.overwrite",
     "run.log_level",
     "run.report_to",
+    "run.lease_wait_s",
+    "run.lease_timeout_s",
     "data.num_workers",
     "data.num_proc",
     "data.store",
@@ -225,6 +228,17 @@ class RunCheckpointer:
             if outcome.error is not None:
                 raise outcome.error
         raise CheckpointSaveError("a background checkpoint save failed on another rank")
+
+    def lease_lost(self) -> bool:
+        """True once this job lost the run's lease (see checkpointing/lease.py)."""
+        lease = self.manager.lease
+        return lease is not None and not lease.confirm()
+
+    def lease_lost_error(self, step: int) -> LeaseLost:
+        """The error every rank raises once any rank learned the lease was lost."""
+        lease = self.manager.lease
+        why = lease.why_lost if lease is not None and lease.why_lost else "lost the run's lease"
+        return LeaseLost(f"step {step}: {why}; this job writes nothing more to the run")
 
     def wait(self) -> list[SaveOutcome]:
         """Wait for the save in flight; the saves that committed (a failure is raised)."""

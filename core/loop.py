@@ -47,6 +47,11 @@ class DistInfo:
     local_rank: int = 0
     restart_count: int = 0
     """How many times torchrun restarted the worker group before this process."""
+    job: str | None = None
+    """What stays the same when torchrun restarts the workers of one job (its run id and agent
+    pid); None without torchrun. A restarted worker keeps its job's lease on the run."""
+    job_id: str | None = None
+    """The scheduler's job id (Slurm, Kubernetes pod, torchrun run id), named in the lease."""
 
     @property
     def is_main(self) -> bool:
@@ -228,15 +233,18 @@ class TrainLoop:
             self._report_saves(committed)
         # One collective, so every rank stops, evaluates and saves at the same step, and a
         # background save that failed anywhere fails the run everywhere at this step.
-        signalled, stop, save, evaluate, save_failed = any_rank(
+        signalled, stop, save, evaluate, save_failed, lost = any_rank(
             [
                 signalled,
                 control.should_training_stop,
                 control.should_save,
                 control.should_evaluate,
                 save_failed,
+                self._lease_lost(),
             ]
         )
+        if lost:
+            raise self.checkpointer.lease_lost_error(step)
         if save_failed:
             self.checkpointer.raise_failure()
         if not signalled and (evaluate or self._eval_due()):
@@ -251,6 +259,9 @@ class TrainLoop:
             self._save()
         control.reset_step()
         return control.should_training_stop
+
+    def _lease_lost(self) -> bool:
+        return self.checkpointer is not None and self.checkpointer.lease_lost()
 
     def _eval_due(self) -> bool:
         ec = self.config.eval
@@ -373,11 +384,18 @@ class TrainLoop:
     # -- logging -----------------------------------------------------------------------------
     def _log(self, losses: list[torch.Tensor], grad_norm: torch.Tensor | None, lr: float) -> None:
         state = self.state
-        # One collective carries the loss; float64 keeps the sum over ranks exact and ordered.
+        # One collective carries the loss, and whether rank 0 lost the run's lease (nothing is
+        # reported then: the run's files are another job's); float64 keeps the sum over ranks
+        # exact and ordered.
+        lost = self._lease_lost()
         total = torch.stack(losses).to(torch.float64).sum().reshape(1)
         if self.dist.world_size > 1:
+            total = torch.cat([total, total.new_tensor([float(lost)])])
             dist.all_reduce(total)
-        loss = total.item() / (self.dist.world_size * len(losses))
+        loss_sum, *flag = total.tolist()
+        if flag[0] if flag else lost:
+            raise self.checkpointer.lease_lost_error(state.global_step)
+        loss = loss_sum / (self.dist.world_size * len(losses))
         now = time.perf_counter()
         t0, s0 = self._last_log
         self._last_log = (now, state.global_step)

@@ -23,6 +23,7 @@ from torch import nn
 
 from checkpointing.comm import control_group
 from checkpointing.hf_export import write_hf_model
+from checkpointing.lease import Holder, Lease, LeaseLost, acquire
 from checkpointing.manager import CheckpointManager
 from checkpointing.serialize import load_state, write_safetensors
 from core.autobatch import SEARCH_STEPS, halved, is_oom, release_memory, with_batch
@@ -105,6 +106,7 @@ class Trainer:
         self.stop_requested = stop_requested
         self.model = model
         self.loop: TrainLoop | None = None
+        self._lease: Lease | None = None
 
     def train(self, resume_from_checkpoint: bool | str | Path | None = None) -> TrainOutput:
         """Train to max_steps / num_epochs. `resume_from_checkpoint`: None keeps the config's
@@ -118,16 +120,34 @@ class Trainer:
             ),
         )
         t0 = time.perf_counter()
-        if config.train.auto_find_batch_size:
-            state = self._train_searching_batch(config)
-        else:
-            state = self._train_once(config)
+        try:
+            if config.train.auto_find_batch_size:
+                state = self._train_searching_batch(config)
+            else:
+                state = self._train_once(config)
+        finally:
+            if self._lease is not None:
+                self._lease.release()  # nothing when lost: the run is another job's now
+                self._lease = None
         self.model = self.loop.engine.model
         losses = [h["loss"] for h in state.log_history if "loss" in h]
         metrics = dict(self.loop.summary)
         metrics["train_runtime_with_setup"] = time.perf_counter() - t0
         return TrainOutput(
             state.global_step, statistics.fmean(losses) if losses else float("nan"), metrics
+        )
+
+    def _acquire_lease(self, config: Config) -> Lease:
+        """The run's lease (checkpointing/lease.py) on every rank; LeaseHeld after waiting
+        run.lease_wait_s for another job that holds it."""
+        info = self.dist_info
+        return acquire(
+            open_checkpoint_storage(config, info.world_size),
+            Holder.this_process(info.job, info.job_id),
+            info.rank,
+            timeout_s=config.run.lease_timeout_s,
+            wait_s=config.run.lease_wait_s,
+            group=control_group(),
         )
 
     def _train_once(self, config: Config) -> TrainState:
@@ -142,6 +162,11 @@ class Trainer:
                 parts=self.parts,
                 memory=memory,
             )
+        # Building reads the run (the checkpoint to resume) and writes nothing: bad input
+        # fails before the lease. Before anything of the run is written, one job holds it.
+        if self._lease is None:
+            self._lease = self._acquire_lease(config)
+        self.loop.checkpointer.manager.lease = self._lease
         if self.dist_info.is_main:  # only once everything was built: bad input writes nothing
             out = Path(config.run.output_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -149,6 +174,8 @@ class Trainer:
             (out / "config.yaml").write_text(dump_config(self.loop.config))
         try:
             state = self.loop.train()
+        except LeaseLost:  # history.jsonl is the new holder's now: nothing more is recorded
+            raise
         except BaseException as e:  # recorded in history.jsonl, then re-raised
             finish_attempt(self.loop.callbacks, self.loop.state.global_step, error=e)
             raise

@@ -33,6 +33,24 @@ def env_restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def env_job() -> tuple[str | None, str | None]:
+    """(job identity kept across torchrun's worker restarts, scheduler job id for people).
+
+    A worker's parent is torchrun's agent, alive for the whole job: its pid and the rendezvous
+    run id name the job. The `deepspeed` launcher restarts nothing; alone there is no job.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    job = f"{run_id}/{os.getppid()}" if run_id else None
+    for var in ("SLURM_JOB_ID", "JOB_ID", "PBS_JOBID", "LSB_JOBID"):
+        if os.environ.get(var):
+            job_id = os.environ[var]
+            break
+    else:
+        in_pod = os.environ.get("KUBERNETES_SERVICE_HOST") is not None
+        job_id = (os.environ.get("HOSTNAME") if in_pod else None) or run_id
+    return job, job_id
+
+
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store, with a key prefix per torchrun restart attempt.
 
@@ -81,7 +99,7 @@ def init_distributed(cfg: EngineConfig, timeout_s: float = 1800.0) -> DistContex
             timeout=timeout,
             device_id=device if backend == "nccl" else None,
         )
-    info = DistInfo(rank, world_size, local_rank, env_restart_count())
+    info = DistInfo(rank, world_size, local_rank, env_restart_count(), *env_job())
     return DistContext(info, device, backend)
 
 

@@ -12,6 +12,9 @@ in fields that change the trajectory, or the resume self-check found a differenc
 STORAGE = 4
 """The checkpoint store failed after every retry (a save was not committed, or a checkpoint could
 not be read); the committed checkpoints are intact: relaunch once the store is reachable."""
+LEASE = 73
+"""Another job holds this run's lease (waited run.lease_wait_s), or this job lost it to a job
+that took the run over: nothing more was committed or deleted (EX_CANTCREAT)."""
 PREEMPTED = 75
 """Stopped by SIGTERM/SIGUSR1 after committing a checkpoint at the agreed step: relaunch the same
 command to continue (EX_TEMPFAIL)."""

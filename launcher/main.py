@@ -7,6 +7,7 @@ import logging
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from checkpointing.lease import LeaseError
 from checkpointing.manifest import CheckpointError
 from checkpointing.storage import StorageError
 from core.config import Config, ConfigError, load_config
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             logger.error("%s", e)
         return exit_codes.USAGE
+    except LeaseError as e:
+        if rank == 0:  # the lease is rank 0's; the others learned the outcome from it
+            logger.error("%s", e)
+        return exit_codes.LEASE
     except CheckpointError as e:
         logger.error("%s", e)  # every rank: a self-check failure may be one rank's alone
         return exit_codes.CHECKPOINT

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from checkpointing.lease import LeaseError, read_lease
 from checkpointing.manifest import CheckpointError, list_committed, read_manifest
 from checkpointing.storage import REDACTED, Storage, open_storage
 from core.history import AttemptEnd, AttemptStart, read_history, read_jsonl
@@ -56,6 +57,8 @@ class RunStatus:
     step_time_s: float | None = None
     eta_s: float | None = None
     """0 once done; None when unknown."""
+    lease: dict | None = None
+    """The run's lease: holder, epoch, heartbeat age, released, live (None: never leased)."""
 
     @property
     def resumes(self) -> list[Attempt]:
@@ -111,6 +114,28 @@ def _newest_checkpoint(run_dir: Path) -> tuple[int, str, float, int | None, int]
     return -1, "", 0.0, None, len(committed)
 
 
+def lease_status(storage: Storage, now: float) -> dict | None:
+    """Who holds the run's lease and whether it is live (checkpointing/lease.py)."""
+    try:
+        record = read_lease(storage)
+    except LeaseError as e:
+        return {"live": True, "error": str(e)}
+    except OSError as e:
+        raise ReportError(f"{storage.display()}: cannot read its lease: {e}") from e
+    if record is None:
+        return None
+    free = record.free(record.timeout_s, now)
+    return {
+        "epoch": record.epoch,
+        "holder": asdict(record.holder),
+        "heartbeat_age_s": record.age(now),
+        "timeout_s": record.timeout_s,
+        "released": record.released,
+        "live": free is None,
+        "why_not_live": free,
+    }
+
+
 def run_status(run_dir: str | Path, now: float | None = None) -> RunStatus:
     run_dir = Path(run_dir)
     now = time.time() if now is None else now
@@ -137,6 +162,7 @@ def run_status(run_dir: str | Path, now: float | None = None) -> RunStatus:
         last_checkpoint_age_s=now - ck_created if ck_name else None,
         checkpoints=count,
         attempts=attempts,
+        lease=lease_status(checkpoint_storage(run_dir), now),
     )
     if records and total is not None:
         speed = Throughput(total)
@@ -168,6 +194,20 @@ def _ending(a: Attempt) -> str:
     return f"{text}: {a.error}" if a.error else text
 
 
+def _lease_line(lease: dict) -> str:
+    if "error" in lease:
+        return f"unreadable, treated as held: {lease['error']}"
+    h = lease["holder"]
+    job = f", job {h['job_id']}" if h.get("job_id") else ""
+    who = f"epoch {lease['epoch']}, {h['host']} pid {h['pid']}{job}"
+    if lease["released"]:
+        return f"{who}, released (free)"
+    beat = f"heartbeat {_ago(max(0.0, lease['heartbeat_age_s']))}"
+    if lease["live"]:
+        return f"{who}, {beat}: live (another job waits for it)"
+    return f"{who}, {beat}: not live ({lease['why_not_live']}; the next job takes it over)"
+
+
 def format_status(s: RunStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
     total = "?" if s.total_steps is None else str(s.total_steps)
@@ -181,6 +221,8 @@ def format_status(s: RunStatus, now: float | None = None) -> str:
             f"checkpoint  {s.last_checkpoint} (step {s.last_checkpoint_step}), committed {age}; "
             f"{s.checkpoints} on disk"
         )
+    if s.lease is not None:
+        lines.append(f"lease       {_lease_line(s.lease)}")
     causes = ", ".join(a.cause for a in s.resumes)
     lines.append(f"resumes     {len(s.resumes)}" + (f" ({causes})" if causes else ""))
     for a in s.attempts:

@@ -134,7 +134,7 @@ def loaded_state(run_dir: Path, *overrides: str) -> dict[str, torch.Tensor]:
 
 def test_new_manifests_record_blake3(trained):
     manifest = json.loads((trained / "checkpoint-8" / "manifest.json").read_text())
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3
     for rel, record in manifest["files"].items():
         assert record == file_record((trained / "checkpoint-8" / rel).read_bytes()), rel
 
@@ -151,7 +151,7 @@ def test_a_checkpoint_of_the_old_layout_verifies_and_resumes_exactly(trained, ru
     flip_byte(run_dir / "checkpoint-8" / "optimizer.safetensors")
     with pytest.raises(CheckpointCorruptError, match=r"optimizer\.safetensors: sha256 differs"):
         verify(run_dir / "checkpoint-8")
-    assert resume_step(run_dir) == 4  # the older checkpoint, of format 2
+    assert resume_step(run_dir) == 4  # the older checkpoint, of format 3
 
 
 HOSTILE_RECORDS = {
@@ -182,9 +182,9 @@ def test_a_manifest_naming_no_known_hash_is_refused_before_any_read(run_dir, kin
 def test_a_manifest_of_a_newer_format_is_refused(run_dir):
     ckpt = run_dir / "checkpoint-8"
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["format_version"] = 3
+    manifest["format_version"] = 4
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointCorruptError, match="format version 3, this code reads 1, 2"):
+    with pytest.raises(CheckpointCorruptError, match="format version 4, this code reads 1, 2, 3"):
         verify(ckpt)
 
 

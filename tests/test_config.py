@@ -38,7 +38,16 @@ def test_public_cli_surface_is_pinned():
         for name, cls in typing.get_type_hints(Config).items()
     }
     assert surface == {
-        "run": ["output_dir", "seed", "full_determinism", "overwrite", "log_level", "report_to"],
+        "run": [
+            "output_dir",
+            "seed",
+            "full_determinism",
+            "overwrite",
+            "log_level",
+            "report_to",
+            "lease_wait_s",
+            "lease_timeout_s",
+        ],
         "model": [
             "name",
             "pretrained",

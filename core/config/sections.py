@@ -45,9 +45,21 @@ class RunConfig:
     """Logging level: debug, info, warning, error."""
     report_to: list[str] = field(default_factory=lambda: ["jsonl"])
     """Metric sinks of rank 0: jsonl (metrics.jsonl), tensorboard (<output_dir>/tensorboard/)."""
+    lease_wait_s: float = 600.0
+    """A second job launched into a run whose lease another job holds waits this long for it
+    (a preempted job's grace period and final save), then exits with code 73."""
+    lease_timeout_s: float = 60.0
+    """A lease whose heartbeat is older than this is taken over (a lost node, a frozen job); on
+    the same host a holder whose process is gone is taken over at once."""
 
     def __post_init__(self) -> None:
         _check(bool(self.output_dir), "run.output_dir", "must be a non-empty path")
+        _check(self.lease_wait_s >= 0, "run.lease_wait_s", f"must be >= 0, got {self.lease_wait_s}")
+        _check(
+            self.lease_timeout_s > 0,
+            "run.lease_timeout_s",
+            f"must be > 0 seconds, got {self.lease_timeout_s}",
+        )
         _check(self.seed >= 0, "run.seed", f"must be >= 0, got {self.seed}")
         _one_of(self.log_level, "run.log_level", ("debug", "info", "warning", "error"))
         for target in self.report_to:

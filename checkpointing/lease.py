@@ -1,0 +1,440 @@
+"""One writer per run: an exclusive, fenced lease on a checkpoint store.
+
+Files, beside the checkpoints:
+
+    LEASE             the current lease as JSON (holder, epoch, heartbeat): what people and
+                      `python -m launcher status` read
+    .lease/<epoch>    one claim per epoch, created only if absent (`Storage.create_exclusive`:
+                      link(2) on a filesystem, a conditional put on S3); its holder alone
+                      rewrites it with each heartbeat
+
+The claims decide: the holder is the one that created the highest epoch's claim. A job takes the
+run by creating the claim of the next epoch, so of two jobs that try at once exactly one
+succeeds; claims are never deleted, so a claim once seen stays visible and an epoch is never
+handed out twice. `LEASE` is a copy the holder rewrites; a stale copy (written late by a holder
+that was paused) never decides anything, since a reader always looks for higher claims.
+
+A lease is free to take when it was released (a clean exit), when its holder's process is gone
+(same host: the pid is dead or belongs to another process now), or when its heartbeat is older
+than the timeout. A worker restarted by the same torchrun job adopts its own job's lease.
+
+Fencing: before a commit marker is written, a checkpoint renamed into place or one deleted, the
+holder checks that no higher claim exists; a job that lost its lease raises LeaseLost and
+commits nothing more. What remains is the instant between that check and the write: a process
+frozen exactly there and resumed after a takeover can still complete that one write. Stores give
+no fencing token that closes it (see the README).
+
+Heartbeats carry wall-clock time: hosts that share a run need clocks synchronised to well under
+the timeout (NTP does this).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from checkpointing.comm import broadcast_object
+from checkpointing.storage import Storage, retrying
+
+logger = logging.getLogger(__name__)
+
+LEASE = "LEASE"
+CLAIMS = ".lease"
+FORMAT = 1
+POLL_S = 2.0
+"""How often a waiting job looks at the lease again."""
+
+
+class LeaseError(Exception):
+    """This job may not write the run (launcher exit code 73)."""
+
+
+class LeaseHeld(LeaseError):
+    """Another job holds the run's lease (after waiting for it)."""
+
+
+class LeaseLost(LeaseError):
+    """This job's lease was taken over: it commits and deletes nothing more."""
+
+
+class LeaseUnreadable(LeaseError):
+    """A lease file that is not a lease this code knows: treated as held, never deleted."""
+
+
+def claim_name(epoch: int) -> str:
+    return f"{CLAIMS}/{epoch}"
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) may hold spaces and parentheses.
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lease."""
+
+    host: str
+    pid: int
+    """The process that renews the lease (rank 0)."""
+    pid_start: int | None
+    job: str | None
+    """What stays the same when torchrun restarts its workers (run id and agent pid); None
+    outside torchrun."""
+    job_id: str | None
+    """The scheduler's job id, for people (Slurm, Kubernetes pod, torchrun run id)."""
+    started: float
+
+    @classmethod
+    def this_process(cls, job: str | None = None, job_id: str | None = None) -> Holder:
+        pid = os.getpid()
+        return cls(socket.gethostname(), pid, _start_ticks(pid), job, job_id, time.time())
+
+    def same_job(self, other: Holder) -> bool:
+        return self.job is not None and self.job == other.job and self.host == other.host
+
+    def gone(self) -> bool:
+        """True when this holder's process is known to be dead (only on this host)."""
+        if self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+        now = _start_ticks(self.pid)
+        return self.pid_start is not None and now is not None and now != self.pid_start
+
+    def describe(self) -> str:
+        job = f", job {self.job_id}" if self.job_id else ""
+        return f"{self.host} pid {self.pid}{job}"
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    epoch: int
+    holder: Holder
+    heartbeat: float
+    """Unix time of the last renewal."""
+    timeout_s: float
+    """The holder's lease timeout, for readers such as `status`."""
+    released: bool = False
+    format: int = FORMAT
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(asdict(self), indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> LeaseRecord:
+        try:
+            raw = json.loads(data)
+            if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+                raise ValueError(f"format {raw.get('format') if isinstance(raw, dict) else raw!r}")
+            holder = Holder(**raw["holder"])
+            record = cls(**{**raw, "holder": holder})
+            if not isinstance(record.epoch, int) or record.epoch < 1:
+                raise ValueError(f"epoch {record.epoch!r}")
+            float(record.heartbeat)
+            float(record.timeout_s)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise LeaseUnreadable(
+                f"{where} is not a lease this version reads ({type(e).__name__}: {e}); it is "
+                f"treated as held. If no job writes this run, delete it by hand"
+                f"{' with the .lease folder beside it' if where.endswith(LEASE) else ''} "
+                "and relaunch"
+            ) from e
+        return record
+
+    def age(self, now: float | None = None) -> float:
+        return (time.time() if now is None else now) - self.heartbeat
+
+    def free(self, timeout_s: float, now: float | None = None) -> str | None:
+        """Why this lease may be taken (None: it is held)."""
+        if self.released:
+            return "released"
+        if self.holder.gone():
+            return f"process {self.holder.pid} is gone"
+        if self.age(now) > timeout_s:
+            return f"heartbeat {self.age(now):.1f} s old > run.lease_timeout_s {timeout_s:g}"
+        return None
+
+    def describe(self, now: float | None = None) -> str:
+        state = "released" if self.released else f"last heartbeat {self.age(now):.1f} s ago"
+        return f"epoch {self.epoch} held by {self.holder.describe()}, {state}"
+
+
+def read_lease(storage: Storage) -> LeaseRecord | None:
+    """The deciding lease record of a store (None: never leased). LeaseUnreadable for a file
+    that is not a lease."""
+    copy = None
+    if storage.exists(LEASE):
+        copy = LeaseRecord.parse(storage.read_bytes(LEASE), storage.display(LEASE))
+    epoch = copy.epoch if copy is not None else 0
+    while storage.exists(claim_name(epoch + 1)):
+        epoch += 1
+    if epoch == 0:
+        return None
+    name = claim_name(epoch)
+    if not storage.exists(name):  # the claims were removed by hand: the copy decides
+        return copy
+    return LeaseRecord.parse(storage.read_bytes(name), storage.display(name))
+
+
+@dataclass
+class Lease:
+    """This job's lease on a store. Rank 0 (`primary`) renews it on a thread; every rank can
+    check it before writing."""
+
+    storage: Storage
+    record: LeaseRecord
+    primary: bool
+    _lost: str | None = None
+    _renewed: float = field(default_factory=time.monotonic)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _lose_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def epoch(self) -> int:
+        return self.record.epoch
+
+    @property
+    def lost(self) -> bool:
+        """True once this job knows it lost the lease (no store access: a flag)."""
+        return self._lost is not None
+
+    def check(self, what: str) -> None:
+        """Raise LeaseLost unless this job still holds the lease; call right before `what`."""
+        if self._lost is None and self.storage.exists(claim_name(self.epoch + 1)):
+            self._lose(f"the run was taken over (a claim of epoch {self.epoch + 1} exists)")
+        if self._lost is not None:
+            raise LeaseLost(f"not {what}: {self._lost}")
+
+    def confirm(self) -> bool:
+        """False once this job knows it lost the lease. Costs a clock read, except on rank 0
+        when the last renewal is older than half the timeout (the process was frozen, or the
+        store is slow): then it renews first, so a job resumed after a takeover learns it now."""
+        stale = time.monotonic() - self._renewed > self.record.timeout_s / 2
+        if self._lost is None and self.primary and stale:
+            try:
+                self.renew()
+            except LeaseLost:
+                pass
+            except OSError as e:  # the heartbeat thread gives up at the timeout
+                logger.warning("renewing the lease: %s: %s", type(e).__name__, e)
+        return self._lost is None
+
+    @property
+    def why_lost(self) -> str | None:
+        return self._lost
+
+    def _lose(self, why: str) -> None:
+        newer = None
+        try:
+            newer = read_lease(self.storage)
+        except (OSError, LeaseError):
+            pass
+        by = f"; now {newer.describe()}" if newer and newer.epoch > self.epoch else ""
+        with self._lose_lock:  # the heartbeat and a commit may find out at once: say it once
+            if self._lost is not None:
+                return
+            self._lost = f"lease epoch {self.epoch} of {self.storage.display()} lost: {why}{by}"
+        logger.error("%s", self._lost)
+
+    # -- rank 0 ------------------------------------------------------------------------------
+    def _write(self, record: LeaseRecord) -> None:
+        self.storage.replace_bytes(claim_name(record.epoch), record.to_bytes())
+        self.storage.replace_bytes(LEASE, record.to_bytes())
+
+    def renew(self) -> None:
+        """Check, then write a fresh heartbeat."""
+        with self._lock:
+            self.check("renewing the lease")
+            self.record = replace(self.record, heartbeat=time.time())
+            self._write(self.record)
+            self._renewed = time.monotonic()
+
+    def start(self) -> Lease:
+        if self.primary:
+            interval = max(0.05, self.record.timeout_s / 4)
+            self._thread = threading.Thread(
+                target=self._beat, args=(interval,), name="lease-heartbeat", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def _beat(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.renew()
+            except LeaseLost:
+                return
+            except Exception as e:  # the store: retried at the next beat, until the timeout
+                stale = time.monotonic() - self._renewed
+                logger.warning("renewing the lease: %s: %s", type(e).__name__, e)
+                if stale > self.record.timeout_s:
+                    self._lose(f"not renewed for {stale:.0f} s (the store kept failing)")
+                    return
+
+    def release(self) -> None:
+        """Stop renewing; on rank 0 mark the lease released so the next job takes it at once
+        (nothing when it was lost: it is another job's now)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if not self.primary or self._lost is not None:
+            return
+        try:
+            with self._lock:
+                self.check("releasing the lease")
+                self.record = replace(self.record, heartbeat=time.time(), released=True)
+                self._write(self.record)
+        except LeaseLost:
+            return
+        except OSError as e:  # it expires by itself after the timeout
+            logger.warning("releasing the lease: %s", e)
+
+
+def try_acquire(
+    storage: Storage, holder: Holder, timeout_s: float, now: float | None = None
+) -> Lease | LeaseRecord | LeaseUnreadable:
+    """One attempt: this job's Lease (not started), or what blocks it."""
+    for _ in range(8):  # another job may win each race; then look again
+        try:
+            current = read_lease(storage)
+        except LeaseUnreadable as e:
+            return e
+        if current is not None and holder.same_job(current.holder) and not current.released:
+            # torchrun restarted this job's workers: the job keeps its lease and epoch.
+            mine = LeaseRecord(current.epoch, holder, time.time(), timeout_s)
+            lease = Lease(storage, mine, primary=True)
+            lease._write(mine)
+            logger.info("lease epoch %d kept across the worker restart", mine.epoch)
+            return lease
+        why = "new" if current is None else current.free(timeout_s, now)
+        if why is None:
+            return current
+        epoch = 1 if current is None else current.epoch + 1
+        mine = LeaseRecord(epoch, holder, time.time(), timeout_s)
+        if not storage.create_exclusive(claim_name(epoch), mine.to_bytes()):
+            continue
+        storage.replace_bytes(LEASE, mine.to_bytes())
+        if current is not None and not current.released:
+            logger.warning(
+                "took over the lease of %s (epoch %d) from %s: %s",
+                storage.display(),
+                epoch,
+                current.holder.describe(),
+                why,
+            )
+        return Lease(storage, mine, primary=True)
+    return read_lease(storage) or LeaseUnreadable(f"{storage.display(LEASE)}: keeps changing")
+
+
+def acquire(
+    storage: Storage,
+    holder: Holder,
+    rank: int,
+    timeout_s: float,
+    wait_s: float,
+    group: Any = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Lease:
+    """The run's lease for this job, on every rank (a collective): rank 0 takes it, waiting up
+    to `wait_s` while another job holds it; LeaseHeld on every rank when it is still held."""
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        outcome: Any = None
+        if rank == 0:
+            found = _exclusive_or_advisory(storage, holder, timeout_s)
+            if isinstance(found, Lease):
+                outcome = found.record
+            else:
+                blocker = str(found) if isinstance(found, LeaseUnreadable) else found.describe()
+                if time.monotonic() >= deadline:
+                    outcome = f"{storage.display()} is leased by another job: {blocker}"
+                    if not isinstance(found, LeaseUnreadable):
+                        outcome += (
+                            f"; waited {wait_s:g} s (run.lease_wait_s). Relaunch once it has "
+                            "finished, or wait longer"
+                        )
+                elif not said:
+                    logger.warning("waiting up to %.0f s for the lease: %s", wait_s, blocker)
+                    said = True
+        outcome = broadcast_object(outcome, group)
+        if isinstance(outcome, LeaseRecord):
+            lease = found if rank == 0 else Lease(storage, outcome, primary=False)
+            return lease.start()
+        if isinstance(outcome, str):
+            raise LeaseHeld(outcome)
+        sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+_warned_advisory: set[str] = set()
+
+
+def _exclusive_or_advisory(
+    storage: Storage, holder: Holder, timeout_s: float
+) -> Lease | LeaseRecord | LeaseUnreadable:
+    what = f"taking the lease of {storage.display()}"
+    try:
+        return retrying(what, lambda: try_acquire(storage, holder, timeout_s), storage.retries)
+    except NotImplementedError:
+        pass
+    # A store without create-if-absent: look, then write. Two jobs starting in the same
+    # instant can both believe they hold it; fencing still stops the one that is overwritten
+    # at its next check only if its claim was replaced (not guaranteed). Said once.
+    if storage.url not in _warned_advisory:
+        _warned_advisory.add(storage.url)
+        logger.warning(
+            "%s has no create-if-absent: the lease is advisory (see the README)", storage.display()
+        )
+    return retrying(
+        what, lambda: try_acquire(_Advisory(storage), holder, timeout_s), storage.retries
+    )
+
+
+class _Advisory(Storage):
+    """A store seen through check-then-write in place of create-if-absent."""
+
+    def __init__(self, inner: Storage) -> None:
+        self._inner = inner
+        self.url = inner.url
+        self.retries = inner.retries
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def exists(self, rel: str) -> bool:
+        return self._inner.exists(rel)
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self._inner.read_bytes(rel)
+
+    def replace_bytes(self, rel: str, data: bytes) -> None:
+        self._inner.replace_bytes(rel, data)
+
+    def display(self, rel: str = "") -> str:
+        return self._inner.display(rel)
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        if self._inner.exists(rel):
+            return False
+        self._inner.write_bytes(rel, data)
+        return True

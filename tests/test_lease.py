@@ -1,0 +1,344 @@
+"""One writer per run: the lease on a run's checkpoint store (checkpointing/lease.py).
+
+In-process: create-if-absent on a filesystem, memory:// and a real S3-compatible server (moto),
+races between would-be holders, takeovers (a dead pid on this host at once, a stale heartbeat
+after the timeout), fencing of commits and deletes, unreadable lease files. As processes: two
+launches of one command into one run (1 and 2 workers), a job that holds the lease makes a
+second one exit 73 without touching the run, and a job frozen with SIGSTOP after staging a save
+is taken over and, once resumed, commits nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpointing.lease import (
+    LEASE,
+    Holder,
+    Lease,
+    LeaseHeld,
+    LeaseLost,
+    LeaseRecord,
+    LeaseUnreadable,
+    acquire,
+    claim_name,
+    read_lease,
+    try_acquire,
+)
+from checkpointing.manager import CheckpointManager, Entry
+from checkpointing.manifest import list_committed, read_manifest
+from checkpointing.storage import Storage, open_storage
+from core.history import AttemptEnd, AttemptStart, read_history
+from launcher import exit_codes
+from launcher.status import format_status, run_status
+from tests.checkpoints import assert_same_checkpoint
+from tests.launch import SMALL, Output, kill_tree, last_checkpoint, run_launcher, start, wait_for
+from tests.objectstore import S3Server
+
+ARGS = (
+    *SMALL,
+    "--train.max_steps",
+    "24",
+    "--checkpoint.save_steps",
+    "4",
+    "--checkpoint.async_save",
+    "true",
+)
+
+
+class Weights:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict:
+        return {"w": self.t}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.t = state["w"]
+
+
+def other_holder(host: str = "elsewhere", pid: int = 4242) -> Holder:
+    return Holder(host, pid, None, None, "job-7", time.time())
+
+
+def memory_url() -> str:
+    return f"memory://lease-{uuid.uuid4().hex[:8]}/run"
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def store(request, tmp_path) -> Storage:
+    if request.param == "local":
+        return open_storage(tmp_path / "run")
+    if request.param == "memory":
+        return open_storage(memory_url())
+    server = request.getfixturevalue("s3")
+    bucket = server.bucket(f"lease-{os.urandom(4).hex()}")
+    return server.storage(f"{bucket}/run")
+
+
+def test_create_if_absent_is_exclusive(store):
+    assert store.create_exclusive("x/claim", b"first")
+    assert not store.create_exclusive("x/claim", b"second")
+    assert store.read_bytes("x/claim") == b"first"
+
+
+def test_of_jobs_racing_for_a_run_exactly_one_holds_it(store):
+    holders = [other_holder("elsewhere", 100 + i) for i in range(6)]
+    got: list = [None] * len(holders)
+    barrier = threading.Barrier(len(holders))
+
+    def take(i: int) -> None:
+        barrier.wait()
+        got[i] = try_acquire(store, holders[i], timeout_s=60)
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(len(holders))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [g for g in got if isinstance(g, Lease)]
+    assert len(winners) == 1, got
+    assert all(isinstance(g, LeaseRecord) and g.epoch == 1 for g in got if g is not winners[0])
+    assert read_lease(store).holder == winners[0].record.holder
+
+
+def test_a_dead_holder_on_this_host_is_taken_over_at_once(store):
+    gone = Holder.this_process()
+    gone = Holder(gone.host, dead_pid(), None, None, None, time.time())
+    first = try_acquire(store, gone, timeout_s=3600)
+    assert isinstance(first, Lease)
+    me = Holder.this_process()
+    second = try_acquire(store, me, timeout_s=3600)  # the heartbeat is fresh: the pid decides
+    assert isinstance(second, Lease) and second.epoch == 2
+    assert read_lease(store).holder == me
+    # A live holder is not: this very process holds it now.
+    blocked = try_acquire(store, Holder.this_process(), timeout_s=3600)
+    assert isinstance(blocked, LeaseRecord) and blocked.holder == me
+
+
+def test_a_stale_heartbeat_is_taken_over_and_the_old_holder_is_fenced(store):
+    old = try_acquire(store, other_holder(), timeout_s=5)
+    assert isinstance(old, Lease)
+    assert isinstance(try_acquire(store, Holder.this_process(), timeout_s=5), LeaseRecord)
+    later = time.time() + 6  # the holder on another host stopped renewing 6 s ago
+    new = try_acquire(store, Holder.this_process(), timeout_s=5, now=later)
+    assert isinstance(new, Lease) and new.epoch == 2
+    with pytest.raises(LeaseLost, match="epoch 2"):
+        old.check("committing checkpoint-8")
+    with pytest.raises(LeaseLost):
+        old.renew()
+    old.release()  # lost: leaves the new holder's lease alone
+    assert read_lease(store) == new.record and not read_lease(store).released
+    new.check("committing")  # the new holder is not fenced
+    new.release()
+    assert read_lease(store).released
+    third = try_acquire(store, other_holder(), timeout_s=5)  # released: free at once
+    assert isinstance(third, Lease) and third.epoch == 3
+
+
+def test_a_late_write_of_the_lease_copy_by_a_lost_holder_decides_nothing(store):
+    old = try_acquire(store, other_holder(), timeout_s=5)
+    new = try_acquire(store, Holder.this_process(), timeout_s=5, now=time.time() + 6)
+    store.replace_bytes(LEASE, old.record.to_bytes())  # written by the old holder, paused
+    assert read_lease(store).epoch == 2 and read_lease(store).holder == new.record.holder
+
+
+def test_a_lost_lease_commits_and_deletes_nothing(store):
+    lease = try_acquire(store, other_holder(), timeout_s=5)
+    manager = CheckpointManager(store, lease=lease)
+    weights = Weights(torch.arange(6.0))
+
+    def save(step: int):
+        return manager.save(step, {"w": Entry(weights)}, {}, "fp", {}, {})
+
+    save(4)
+    assert read_manifest(store.child("checkpoint-4")).lease_epoch == 1
+    try_acquire(store, Holder.this_process(), timeout_s=5, now=time.time() + 6)
+    with pytest.raises(LeaseLost, match="lost"):
+        save(8)
+    with pytest.raises(LeaseLost):
+        manager.delete("checkpoint-4")
+    assert [name for _, name in list_committed(store)] == ["checkpoint-4"]
+    assert lease.lost
+
+
+@pytest.mark.parametrize(
+    "content", [b"{not json", b'{"format": 99, "epoch": 1}', b"[]", b'{"format": 1}']
+)
+def test_an_unreadable_lease_is_held_and_never_deleted(tmp_path, content):
+    store = open_storage(tmp_path / "run")
+    store.replace_bytes(LEASE, content)
+    assert isinstance(try_acquire(store, Holder.this_process(), 60), LeaseUnreadable)
+    with pytest.raises(LeaseHeld, match="delete it by hand"):
+        acquire(store, Holder.this_process(), rank=0, timeout_s=60, wait_s=0)
+    assert store.read_bytes(LEASE) == content
+    assert not store.exists(claim_name(1))
+
+
+def test_a_waiting_job_takes_the_lease_once_it_is_released(tmp_path):
+    store = open_storage(tmp_path / "run")
+    holder = try_acquire(store, other_holder(), timeout_s=60)
+    threading.Timer(0.5, holder.release).start()
+    t0 = time.monotonic()
+    lease = acquire(store, Holder.this_process(), 0, timeout_s=60, wait_s=30)
+    assert lease.epoch == 2 and time.monotonic() - t0 < 10
+    lease.release()
+
+
+def test_the_holder_renews_its_heartbeat_and_status_shows_it(tmp_path):
+    run = tmp_path / "run"
+    lease = acquire(open_storage(run), Holder.this_process(), 0, timeout_s=0.4, wait_s=0)
+    first = read_lease(open_storage(run)).heartbeat
+    time.sleep(0.5)
+    assert read_lease(open_storage(run)).heartbeat > first
+    CheckpointManager(run).save(4, {"w": Entry(Weights(torch.ones(2)))}, {}, "fp", {}, {})
+    text = format_status(run_status(run))
+    assert f"epoch 1, {socket.gethostname()} pid {os.getpid()}" in text and ": live" in text
+    lease.release()
+    assert "released (free)" in format_status(run_status(run))
+
+
+# -- as processes ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Uninterrupted runs of ARGS, by worker count (made when first asked for)."""
+    made: dict = {}
+
+    def get(nproc: int | None) -> Path:
+        if nproc not in made:
+            run_dir = tmp_path_factory.mktemp("reference") / f"run-{nproc}"
+            result = run_launcher(run_dir, nproc, *ARGS)
+            assert result.returncode == 0, result.output
+            made[nproc] = run_dir
+        return made[nproc]
+
+    return get
+
+
+def tree(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run but interrupted saves' temp directories, with its bytes."""
+    return {
+        p.relative_to(run_dir).as_posix(): p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and not p.relative_to(run_dir).parts[0].startswith(".tmp-checkpoint-")
+    }
+
+
+def assert_one_run(run_dir: Path) -> None:
+    """history.jsonl reads as one run: attempts one after the other, each ended."""
+    records = read_history(run_dir)
+    open_attempt = False
+    for r in records:
+        if isinstance(r, AttemptStart):
+            assert not open_attempt, records
+            open_attempt = True
+        elif isinstance(r, AttemptEnd):
+            assert open_attempt, records
+            open_attempt = False
+    assert not open_attempt and records[-1].reason == "done", records
+
+
+@pytest.mark.parametrize("nproc", [None, 2], ids=["1-worker", "2-workers"])
+def test_two_launches_into_one_run_train_it_once(tmp_path, references, nproc):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    jobs = [start(run_dir, nproc, *ARGS, "--run.lease_wait_s", "240") for _ in range(2)]
+    outputs = [Output(p) for p in jobs]
+    for p in jobs:
+        p.wait(timeout=300)
+    texts = [o.text() for o in outputs]
+    assert [p.returncode for p in jobs] == [0, 0], texts
+    waited = [i for i, t in enumerate(texts) if "waiting up to" in t]
+    assert len(waited) == 1, texts  # exactly one waited: the other held the run throughout
+    assert_same_checkpoint(last_checkpoint(run_dir), last_checkpoint(references(nproc)))
+    assert_one_run(run_dir)
+    starts = [r for r in read_history(run_dir) if isinstance(r, AttemptStart)]
+    assert [s.step for s in starts] == [0, 24]  # the second found the run finished
+    epochs = {read_manifest(run_dir / name).lease_epoch for _, name in list_committed(run_dir)}
+    assert epochs == {1}
+
+
+def test_a_held_run_makes_a_second_job_exit_73_untouched(tmp_path, references):
+    run_dir = tmp_path / "run"
+    done = references(2)
+    for p in sorted(done.rglob("*")):  # a finished run, now held by this test process
+        if p.is_file() and not p.relative_to(done).parts[0].startswith((".lease", LEASE)):
+            (run_dir / p.relative_to(done)).parent.mkdir(parents=True, exist_ok=True)
+            (run_dir / p.relative_to(done)).write_bytes(p.read_bytes())
+    lease = acquire(open_storage(run_dir), Holder.this_process(), 0, timeout_s=60, wait_s=0)
+    before = tree(run_dir)
+    try:
+        result = run_launcher(run_dir, 2, *ARGS, "--run.lease_wait_s", "1")
+    finally:
+        lease.release()
+    assert result.returncode != 0
+    assert f"exitcode  : {exit_codes.LEASE}" in result.output or (
+        f"exitcode: {exit_codes.LEASE}" in result.output
+    ), result.output
+    line = next(x for x in result.output.splitlines() if "leased by another job" in x)
+    assert f"pid {os.getpid()}" in line and "last heartbeat" in line and "waited 1 s" in line
+    after = tree(run_dir)
+    lease_files = {LEASE, claim_name(1)}
+    assert {k: v for k, v in after.items() if k not in lease_files} == {
+        k: v for k, v in before.items() if k not in lease_files
+    }
+
+
+def test_a_frozen_job_taken_over_commits_nothing_once_resumed(tmp_path, references):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    frozen = start(run_dir, None, *ARGS, "--run.lease_timeout_s", "2")
+    frozen_out = Output(frozen)
+    try:
+        assert wait_for(lambda: frozen_out.count("checkpoint-12 staged"), frozen, timeout=120)
+        os.killpg(frozen.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        second = run_launcher(run_dir, None, *ARGS, "--run.lease_timeout_s", "2")
+        assert second.returncode == 0, second.output
+        assert "took over the lease" in second.output and "heartbeat" in second.output
+        assert time.monotonic() - stopped >= 2
+        settled = tree(run_dir)
+        os.killpg(frozen.pid, signal.SIGCONT)
+        frozen.wait(timeout=120)
+    finally:
+        if frozen.poll() is None:
+            os.killpg(frozen.pid, signal.SIGCONT)
+            kill_tree(frozen)
+    text = frozen_out.text()
+    assert frozen.returncode == exit_codes.LEASE, text
+    assert "not writing checkpoint-12" in text or "lost the run's lease" in text, text
+    assert tree(run_dir) == settled  # nothing the frozen job wrote became part of the run
+    assert_same_checkpoint(last_checkpoint(run_dir), last_checkpoint(references(None)))
+    manifest = read_manifest(last_checkpoint(run_dir))
+    assert manifest.lease_epoch == 2
+    history = read_history(run_dir)
+    assert [r.cause for r in history if isinstance(r, AttemptStart)] == ["fresh", "crashed"]
+    assert sum(isinstance(r, AttemptEnd) for r in history) == 1
+    assert json.loads((run_dir / LEASE).read_text())["released"]
