@@ -72,15 +72,21 @@ def claim_name(epoch: int) -> str:
     return f"{CLAIMS}/{epoch}"
 
 
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux), to tell a reused pid."""
+def _proc_stat(pid: int) -> list[bytes] | None:
+    """Fields 3... of /proc/<pid>/stat (Linux; None elsewhere or when it is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    # Field 22; the command name (field 2) may hold spaces and parentheses.
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    # The command name (field 2) may hold spaces and parentheses.
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, to tell a reused pid."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields else None
 
 
 @dataclass(frozen=True)
@@ -116,8 +122,12 @@ class Holder:
             return True
         except PermissionError:  # alive, another user's
             return False
-        now = _start_ticks(self.pid)
-        return self.pid_start is not None and now is not None and now != self.pid_start
+        fields = _proc_stat(self.pid)
+        if fields is None:
+            return False  # no /proc: the pid exists, that is all we know
+        if fields[0] in (b"Z", b"X"):  # exited, not yet reaped by its parent
+            return True
+        return self.pid_start is not None and int(fields[19]) != self.pid_start
 
     def describe(self) -> str:
         job = f", job {self.job_id}" if self.job_id else ""

@@ -140,6 +140,7 @@ def test_torchrun_max_restarts_resumes_after_a_worker_crash(tmp_path):
     assert proc.returncode == 0, out
     assert marker.exists() and "injected crash on rank 1" in out
     assert "resumed from" in out
+    assert "waiting up to" not in out  # the restarted workers took the run's lease at once
     starts = [r for r in read_history(run_dir) if isinstance(r, AttemptStart)]
     assert [(s.cause, s.restart_count) for s in starts] == [("fresh", 0), ("restarted", 1)]
     assert_same_losses(ref, run_dir)

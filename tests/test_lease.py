@@ -342,3 +342,26 @@ def test_a_frozen_job_taken_over_commits_nothing_once_resumed(tmp_path, referenc
     assert [r.cause for r in history if isinstance(r, AttemptStart)] == ["fresh", "crashed"]
     assert sum(isinstance(r, AttemptEnd) for r in history) == 1
     assert json.loads((run_dir / LEASE).read_text())["released"]
+
+
+def test_a_run_held_on_s3_makes_a_second_job_exit_73_untouched(tmp_path, s3):
+    url = s3.bucket("held-run") + "/run"
+    storage = s3.storage(url)
+    lease = acquire(storage, other_holder(), 0, timeout_s=60, wait_s=0)
+    try:
+        result = run_launcher(
+            tmp_path / "run",
+            None,
+            *ARGS,
+            "--checkpoint.dir",
+            url,
+            "--run.lease_wait_s",
+            "0",
+            env=s3.env(),
+        )
+    finally:
+        lease.release()
+    assert result.returncode == exit_codes.LEASE, result.output
+    assert "elsewhere pid 4242, job job-7, last heartbeat" in result.output
+    assert storage.listdir() == [".lease", LEASE]
+    assert not (tmp_path / "run").exists()  # not even config.yaml
