@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.comm import barrier, broadcast_object, gather_objects
-from checkpointing.lease import Lease, LeaseLost
+from checkpointing.lease import CLAIMS, LEASE, Lease, LeaseLost
 from checkpointing.manifest import (
     MANIFEST,
     Manifest,
@@ -465,6 +465,10 @@ class CheckpointManager:
     def _clean_leftovers(self) -> None:
         self._fence(f"cleaning {self.root}")
         committed = {name for _, name in list_committed(self.storage)}
+        for folder in ("", CLAIMS):  # a lease file's copy left by a kill mid-write
+            for name in self.storage.listdir(folder):
+                if name.startswith(f".{LEASE}." if not folder else "."):
+                    self.storage.remove(f"{folder}/{name}" if folder else name)
         for name in self.storage.listdir():
             leftover = name.startswith((TMP_PREFIX, TRASH_PREFIX)) or (
                 not self.storage.atomic_rename

@@ -338,10 +338,14 @@ class LocalStorage(Storage):
         path = self._p(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         aside = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        with open(aside, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(aside, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:  # a full disk: leave nothing behind
+            aside.unlink(missing_ok=True)
+            raise
         return aside
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
@@ -360,7 +364,11 @@ class LocalStorage(Storage):
 
     def replace_bytes(self, rel: str, data: bytes) -> None:
         aside = self._write_aside(rel, data)
-        os.replace(aside, self._p(rel))
+        try:
+            os.replace(aside, self._p(rel))
+        except BaseException:
+            aside.unlink(missing_ok=True)
+            raise
         self.sync_dir(str(Path(rel).parent) if "/" in rel else "")
 
     def sync_dir(self, rel: str = "") -> None:

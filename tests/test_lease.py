@@ -141,6 +141,18 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(store):
     assert isinstance(blocked, LeaseRecord) and blocked.holder == me
 
 
+def test_a_worker_restarted_by_the_same_torchrun_keeps_the_lease_and_epoch(tmp_path):
+    store = open_storage(tmp_path / "run")
+    host = socket.gethostname()
+    before = Holder(host, dead_pid(), None, "run-id/100", None, time.time())
+    assert isinstance(try_acquire(store, before, timeout_s=3600), Lease)
+    after = Holder(host, os.getpid(), None, "run-id/100", None, time.time())
+    kept = try_acquire(store, after, timeout_s=3600)
+    assert isinstance(kept, Lease) and kept.epoch == 1 and read_lease(store).holder == after
+    other_job = try_acquire(store, Holder(host, 1, None, "run-id/200", None, 0), 3600)
+    assert isinstance(other_job, LeaseRecord)  # pid 1 lives: another job waits
+
+
 def test_a_stale_heartbeat_is_taken_over_and_the_old_holder_is_fenced(store):
     old = try_acquire(store, other_holder(), timeout_s=5)
     assert isinstance(old, Lease)
@@ -185,6 +197,17 @@ def test_a_lost_lease_commits_and_deletes_nothing(store):
         manager.delete("checkpoint-4")
     assert [name for _, name in list_committed(store)] == ["checkpoint-4"]
     assert lease.lost
+
+
+def test_lease_copies_left_by_a_kill_mid_write_are_cleaned(tmp_path):
+    run = tmp_path / "run"
+    lease = try_acquire(open_storage(run), Holder.this_process(), 60)
+    (run / ".LEASE.99-deadbeef").write_bytes(b"{")
+    (run / ".lease" / ".1.99-deadbeef").write_bytes(b"{")
+    CheckpointManager(run, lease=lease).clean_leftovers()
+    assert sorted(p.name for p in run.iterdir()) == [".lease", "LEASE"]
+    assert [p.name for p in (run / ".lease").iterdir()] == ["1"]
+    assert read_lease(open_storage(run)) == lease.record
 
 
 @pytest.mark.parametrize(
