@@ -150,7 +150,7 @@ def test_a_worker_restarted_by_the_same_torchrun_keeps_the_lease_and_epoch(tmp_p
     kept = try_acquire(store, after, timeout_s=3600)
     assert isinstance(kept, Lease) and kept.epoch == 1 and read_lease(store).holder == after
     other_job = try_acquire(store, Holder(host, 1, None, "run-id/200", None, 0), 3600)
-    assert isinstance(other_job, LeaseRecord)  # pid 1 lives: another job waits
+    assert isinstance(other_job, LeaseRecord)  # the holder (this process) lives: it waits
 
 
 def test_a_stale_heartbeat_is_taken_over_and_the_old_holder_is_fenced(store):
