@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from checkpointing.comm import broadcast_object
-from checkpointing.storage import Storage, retrying
+from checkpointing.storage import Storage, StorageError, retrying
 
 logger = logging.getLogger(__name__)
 
@@ -372,8 +372,15 @@ def acquire(
     while True:
         outcome: Any = None
         if rank == 0:
-            found = _exclusive_or_advisory(storage, holder, timeout_s)
-            if isinstance(found, Lease):
+            try:
+                found = _exclusive_or_advisory(storage, holder, timeout_s)
+            except StorageError as e:
+                found = e
+            except OSError as e:  # not retried (a missing bucket, a refused permission)
+                found = StorageError(f"taking the lease of {storage.display()}: {e}")
+            if isinstance(found, StorageError):
+                outcome = found
+            elif isinstance(found, Lease):
                 outcome = found.record
             else:
                 blocker = str(found) if isinstance(found, LeaseUnreadable) else found.describe()
@@ -388,6 +395,8 @@ def acquire(
                     logger.warning("waiting up to %.0f s for the lease: %s", wait_s, blocker)
                     said = True
         outcome = broadcast_object(outcome, group)
+        if isinstance(outcome, StorageError):  # every rank exits 4 with rank 0's error
+            raise outcome
         if isinstance(outcome, LeaseRecord):
             lease = found if rank == 0 else Lease(storage, outcome, primary=False)
             return lease.start()

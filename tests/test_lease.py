@@ -11,6 +11,7 @@ is taken over and, once resumed, commits nothing.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 
@@ -39,7 +41,7 @@ from checkpointing.lease import (
 )
 from checkpointing.manager import CheckpointManager, Entry
 from checkpointing.manifest import list_committed, read_manifest
-from checkpointing.storage import Storage, open_storage
+from checkpointing.storage import FsspecStorage, Storage, open_storage
 from core.history import AttemptEnd, AttemptStart, read_history
 from launcher import exit_codes
 from launcher.status import format_status, run_status
@@ -139,6 +141,21 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(store):
     # A live holder is not: this very process holds it now.
     blocked = try_acquire(store, Holder.this_process(), timeout_s=3600)
     assert isinstance(blocked, LeaseRecord) and blocked.holder == me
+
+
+def test_a_store_without_create_if_absent_gets_an_advisory_lease(tmp_path, caplog):
+    fs = fsspec.filesystem("file", auto_mkdir=True)  # through fsspec: no primitive we use
+    store = FsspecStorage(fs, str(tmp_path / "run"), f"file-like://{tmp_path}/run")
+    with caplog.at_level(logging.WARNING, logger="checkpointing.lease"):
+        lease = acquire(store, other_holder(), 0, timeout_s=60, wait_s=0)
+    assert "the lease is advisory" in caplog.text
+    with pytest.raises(LeaseHeld, match="elsewhere pid 4242"):
+        acquire(store, Holder.this_process(), 0, timeout_s=60, wait_s=0)
+    lease.release()
+    mine = acquire(store, Holder.this_process(), 0, timeout_s=60, wait_s=0)
+    assert mine.epoch == 2
+    mine.check("committing")
+    mine.release()
 
 
 def test_a_worker_restarted_by_the_same_torchrun_keeps_the_lease_and_epoch(tmp_path):
