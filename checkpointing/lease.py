@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -41,13 +39,17 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from checkpointing.comm import broadcast_object
-from checkpointing.storage import Storage, StorageError, retrying
+from checkpointing.holder import Holder
+from checkpointing.retry import StorageError, retrying
+from checkpointing.storage import Storage
 
 logger = logging.getLogger(__name__)
 
 LEASE = "LEASE"
 CLAIMS = ".lease"
 FORMAT = 1
+MAX_BYTES = 1 << 16
+"""A lease file larger than this is not one (never read whole into memory)."""
 POLL_S = 2.0
 """How often a waiting job looks at the lease again."""
 
@@ -72,68 +74,6 @@ def claim_name(epoch: int) -> str:
     return f"{CLAIMS}/{epoch}"
 
 
-def _proc_stat(pid: int) -> list[bytes] | None:
-    """Fields 3... of /proc/<pid>/stat (Linux; None elsewhere or when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses.
-    return stat[stat.rindex(b")") + 2 :].split()
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot, to tell a reused pid."""
-    fields = _proc_stat(pid)
-    return int(fields[19]) if fields else None
-
-
-@dataclass(frozen=True)
-class Holder:
-    """Who holds a lease."""
-
-    host: str
-    pid: int
-    """The process that renews the lease (rank 0)."""
-    pid_start: int | None
-    job: str | None
-    """What stays the same when torchrun restarts its workers (run id and agent pid); None
-    outside torchrun."""
-    job_id: str | None
-    """The scheduler's job id, for people (Slurm, Kubernetes pod, torchrun run id)."""
-    started: float
-
-    @classmethod
-    def this_process(cls, job: str | None = None, job_id: str | None = None) -> Holder:
-        pid = os.getpid()
-        return cls(socket.gethostname(), pid, _start_ticks(pid), job, job_id, time.time())
-
-    def same_job(self, other: Holder) -> bool:
-        return self.job is not None and self.job == other.job and self.host == other.host
-
-    def gone(self) -> bool:
-        """True when this holder's process is known to be dead (only on this host)."""
-        if self.host != socket.gethostname():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, another user's
-            return False
-        fields = _proc_stat(self.pid)
-        if fields is None:
-            return False  # no /proc: the pid exists, that is all we know
-        if fields[0] in (b"Z", b"X"):  # exited, not yet reaped by its parent
-            return True
-        return self.pid_start is not None and int(fields[19]) != self.pid_start
-
-    def describe(self) -> str:
-        job = f", job {self.job_id}" if self.job_id else ""
-        return f"{self.host} pid {self.pid}{job}"
-
-
 @dataclass(frozen=True)
 class LeaseRecord:
     epoch: int
@@ -151,15 +91,30 @@ class LeaseRecord:
     @classmethod
     def parse(cls, data: bytes, where: str) -> LeaseRecord:
         try:
+            if len(data) > MAX_BYTES:
+                raise ValueError(f"{len(data)} bytes")
             raw = json.loads(data)
             if not isinstance(raw, dict) or raw.get("format") != FORMAT:
                 raise ValueError(f"format {raw.get('format') if isinstance(raw, dict) else raw!r}")
             holder = Holder(**raw["holder"])
             record = cls(**{**raw, "holder": holder})
-            if not isinstance(record.epoch, int) or record.epoch < 1:
-                raise ValueError(f"epoch {record.epoch!r}")
-            float(record.heartbeat)
-            float(record.timeout_s)
+            for value, types, what in (
+                (record.epoch, int, "epoch"),
+                (record.heartbeat, (int, float), "heartbeat"),
+                (record.timeout_s, (int, float), "timeout_s"),
+                (record.released, bool, "released"),
+                (holder.host, str, "holder.host"),
+                (holder.pid, int, "holder.pid"),
+                (holder.pid_start, (int, type(None)), "holder.pid_start"),
+                (holder.job, (str, type(None)), "holder.job"),
+                (holder.job_id, (str, type(None)), "holder.job_id"),
+                (holder.started, (int, float), "holder.started"),
+            ):
+                bad_bool = isinstance(value, bool) and types is not bool
+                if not isinstance(value, types) or bad_bool:
+                    raise ValueError(f"{what} {value!r}")
+            if record.epoch < 1 or holder.pid < 1:
+                raise ValueError(f"epoch {record.epoch}, pid {holder.pid}")
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise LeaseUnreadable(
                 f"{where} is not a lease this version reads ({type(e).__name__}: {e}); it is "
@@ -190,9 +145,7 @@ class LeaseRecord:
 def read_lease(storage: Storage) -> LeaseRecord | None:
     """The deciding lease record of a store (None: never leased). LeaseUnreadable for a file
     that is not a lease."""
-    copy = None
-    if storage.exists(LEASE):
-        copy = LeaseRecord.parse(storage.read_bytes(LEASE), storage.display(LEASE))
+    copy = _read_record(storage, LEASE) if storage.exists(LEASE) else None
     epoch = copy.epoch if copy is not None else 0
     while storage.exists(claim_name(epoch + 1)):
         epoch += 1
@@ -201,7 +154,21 @@ def read_lease(storage: Storage) -> LeaseRecord | None:
     name = claim_name(epoch)
     if not storage.exists(name):  # the claims were removed by hand: the copy decides
         return copy
-    return LeaseRecord.parse(storage.read_bytes(name), storage.display(name))
+    return _read_record(storage, name)
+
+
+def _read_record(storage: Storage, rel: str) -> LeaseRecord:
+    where = storage.display(rel)
+    try:
+        if storage.size(rel) > MAX_BYTES:
+            return LeaseRecord.parse(b" " * (MAX_BYTES + 1), where)  # raises LeaseUnreadable
+        data = storage.read_bytes(rel)
+    except (IsADirectoryError, NotADirectoryError) as e:
+        raise LeaseUnreadable(
+            f"{where} is not a lease file ({type(e).__name__}); it is treated as held. If no "
+            "job writes this run, delete it by hand and relaunch"
+        ) from e
+    return LeaseRecord.parse(data, where)
 
 
 @dataclass
@@ -321,9 +288,15 @@ class Lease:
 
 
 def try_acquire(
-    storage: Storage, holder: Holder, timeout_s: float, now: float | None = None
+    storage: Storage,
+    holder: Holder,
+    timeout_s: float,
+    now: float | None = None,
+    create: Callable[[str, bytes], bool] | None = None,
 ) -> Lease | LeaseRecord | LeaseUnreadable:
-    """One attempt: this job's Lease (not started), or what blocks it."""
+    """One attempt: this job's Lease (not started), or what blocks it. `create`: the
+    create-if-absent to use (default the store's own)."""
+    create = create or storage.create_exclusive
     for _ in range(8):  # another job may win each race; then look again
         try:
             current = read_lease(storage)
@@ -341,8 +314,10 @@ def try_acquire(
             return current
         epoch = 1 if current is None else current.epoch + 1
         mine = LeaseRecord(epoch, holder, time.time(), timeout_s)
-        if not storage.create_exclusive(claim_name(epoch), mine.to_bytes()):
+        if not create(claim_name(epoch), mine.to_bytes()):
             continue
+        if storage.read_bytes(claim_name(epoch)) != mine.to_bytes():
+            continue  # a store that ignored the condition, and another job wrote last
         storage.replace_bytes(LEASE, mine.to_bytes())
         if current is not None and not current.released:
             logger.warning(
@@ -424,36 +399,15 @@ def _exclusive_or_advisory(
         logger.warning(
             "%s has no create-if-absent: the lease is advisory (see the README)", storage.display()
         )
-    return retrying(
-        what, lambda: try_acquire(_Advisory(storage), holder, timeout_s), storage.retries
-    )
 
-
-class _Advisory(Storage):
-    """A store seen through check-then-write in place of create-if-absent."""
-
-    def __init__(self, inner: Storage) -> None:
-        self._inner = inner
-        self.url = inner.url
-        self.retries = inner.retries
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def exists(self, rel: str) -> bool:
-        return self._inner.exists(rel)
-
-    def read_bytes(self, rel: str) -> bytes:
-        return self._inner.read_bytes(rel)
-
-    def replace_bytes(self, rel: str, data: bytes) -> None:
-        self._inner.replace_bytes(rel, data)
-
-    def display(self, rel: str = "") -> str:
-        return self._inner.display(rel)
-
-    def create_exclusive(self, rel: str, data: bytes) -> bool:
-        if self._inner.exists(rel):
+    def look_then_write(rel: str, data: bytes) -> bool:
+        if storage.exists(rel):
             return False
-        self._inner.write_bytes(rel, data)
+        storage.write_bytes(rel, data)
         return True
+
+    return retrying(
+        what,
+        lambda: try_acquire(storage, holder, timeout_s, create=look_then_write),
+        storage.retries,
+    )

@@ -44,6 +44,7 @@ from checkpointing.manifest import (
     read_manifest,
 )
 from checkpointing.restore import Restorer
+from checkpointing.retry import StorageError, retrying
 from checkpointing.serialize import (
     FileDigest,
     encode_views,
@@ -53,12 +54,7 @@ from checkpointing.serialize import (
 )
 from checkpointing.staging import BackgroundSave, SaveOutcome, Staging
 from checkpointing.stateful import Entry, rank_name, split_by_size
-from checkpointing.storage import (
-    Storage,
-    StorageError,
-    as_storage,
-    retrying,
-)
+from checkpointing.storage import Storage, as_storage
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from checkpointing.digest import DigestRecordError, digest_stream, recorded
-from checkpointing.storage import Storage, as_storage, retrying
+from checkpointing.retry import retrying
+from checkpointing.storage import Storage, as_storage
 
 # 3: lease_epoch recorded; 2: files recorded as {"size", "hash": {"algorithm", "digest"}}
 # (BLAKE3); 1: {"size", "sha256"}.

@@ -26,10 +26,11 @@ from checkpointing.manifest import (
     read_manifest,
     verify_file,
 )
+from checkpointing.retry import retrying
 from checkpointing.serialize import StateFormatError, load_state
 from checkpointing.sharded import SavedState, piece_bases
 from checkpointing.stateful import Entry, rank_name, split_by_size
-from checkpointing.storage import Storage, open_storage, retrying
+from checkpointing.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
 # Files a rank verifies at once (the first error, in the share's order, is the one reported).

@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from checkpointing.digest import FileDigest, digest_stream, matches, recorded
-from checkpointing.storage import LocalStorage, Storage, as_storage, retrying
+from checkpointing.retry import retrying
+from checkpointing.storage import LocalStorage, Storage, as_storage
 
 TENSOR, TUPLE, DICT = "__tensor__", "__tuple__", "__dict__"
 PIECE = "__piece__"

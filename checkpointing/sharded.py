@@ -33,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors_bytes
 
 from checkpointing.manifest import CheckpointCorruptError
+from checkpointing.retry import retrying
 from checkpointing.serialize import (
     _DTYPES,
     TENSOR,
@@ -42,7 +43,7 @@ from checkpointing.serialize import (
     parse_json,
 )
 from checkpointing.stateful import rank_name
-from checkpointing.storage import Storage, retrying
+from checkpointing.storage import Storage
 
 TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 _MAX_HEADER = 100 << 20  # a safetensors header beyond this is not one we wrote

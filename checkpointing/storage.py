@@ -15,137 +15,26 @@ protocol needs; that is why local paths get their own implementation.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-import re
 import shutil
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from checkpointing.digest import FileDigest, hasher
+from checkpointing.redact import display_url
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # Object-store parts: large enough that per-request overhead vanishes.
 _BLOCK = 64 << 20
-
-
-class StorageError(OSError):
-    """The checkpoint store failed an operation after every retry (one line: what and why)."""
-
-
-def display_url(url: str) -> str:
-    """`url` without any user:password part, for logs and error messages."""
-    return re.sub(r"^([a-zA-Z][\w+.-]*://)[^/@]*@", r"\1", url)
-
-
-# Storage options that never hold a secret; every other value is redacted where it is written.
-_PUBLIC_OPTIONS = frozenset(
-    {
-        "endpoint_url",
-        "region_name",
-        "anon",
-        "use_ssl",
-        "verify",
-        "client_kwargs",
-        "config_kwargs",
-        "s3",
-        "addressing_style",
-        "signature_version",
-        "retries",
-        "max_attempts",
-        "mode",
-        "connect_timeout",
-        "read_timeout",
-        "max_pool_connections",
-        "requester_pays",
-        "default_block_size",
-        "default_fill_cache",
-        "version_aware",
-        "cache_regions",
-        "use_listings_cache",
-        "listings_expiry_time",
-        "skip_instance_cache",
-        "max_concurrency",
-        "project",
-        "location",
-        "auto_mkdir",
-    }
-)
-REDACTED = "<redacted>"
-
-
-def redact_options(options: Any) -> Any:
-    """`options` with every value under a key not known to be public replaced by REDACTED."""
-    if isinstance(options, str):
-        return display_url(options)
-    if not isinstance(options, dict):
-        return options
-    return {k: redact_options(v) if k in _PUBLIC_OPTIONS else REDACTED for k, v in options.items()}
-
-
-# --------------------------------------------------------------------------- retries
-
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-
-
-def io_error_types() -> tuple[type[BaseException], ...]:
-    """What a filesystem or object-store call raises when the store fails (not a bug of ours):
-    OSError and the object-store clients' own errors."""
-    return _transient_types()
-
-
-def _transient_types() -> tuple[type[BaseException], ...]:
-    types: list[type[BaseException]] = [OSError, TimeoutError]
-    try:  # the object-store clients' own base errors, when they are installed
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        types += [BotoCoreError, ClientError]
-    except ImportError:
-        pass
-    try:
-        from aiohttp import ClientError as AiohttpError
-
-        types.append(AiohttpError)
-    except ImportError:
-        pass
-    return tuple(types)
-
-
-def is_transient(e: BaseException) -> bool:
-    """An error worth retrying: the store or the network, not a missing file or a refusal."""
-    if isinstance(e, (StorageError, *_PERMANENT)):
-        return False
-    return isinstance(e, _transient_types())
-
-
-def retrying(
-    what: str, fn: Callable[[], T], retries: int, backoff: float = 0.5, log: bool = True
-) -> T:
-    """`fn()`, retried up to `retries` times on transient errors with exponential backoff
-    (backoff, 2*backoff, ...); then StorageError naming `what` and the last error."""
-    for attempt in range(retries + 1):
-        try:
-            return fn()
-        except Exception as e:
-            if not is_transient(e):
-                raise
-            if attempt == retries:
-                raise StorageError(
-                    f"{what}: failed after {retries + 1} attempts: {type(e).__name__}: {e}"
-                ) from e
-            delay = backoff * 2**attempt
-            if log:
-                logger.warning("%s: %s: %s; retrying in %.1f s", what, type(e).__name__, e, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------- writers
@@ -357,8 +246,27 @@ class LocalStorage(Storage):
             os.link(aside, self._p(rel))
         except FileExistsError:
             return False
+        except OSError as e:
+            if e.errno not in _NO_HARD_LINKS:
+                raise
+            return self._create_excl(rel, data)
         finally:
             aside.unlink()
+        self.sync_dir(str(Path(rel).parent) if "/" in rel else "")
+        return True
+
+    def _create_excl(self, rel: str, data: bytes) -> bool:
+        """O_CREAT|O_EXCL, for filesystems without hard links: a reader may briefly see the
+        file empty (a lease reader then takes it as held and looks again)."""
+        try:
+            fd = os.open(self._p(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         self.sync_dir(str(Path(rel).parent) if "/" in rel else "")
         return True
 
@@ -487,6 +395,8 @@ class FsspecStorage(Storage):
 
 
 _MEMORY_LOCK = threading.Lock()
+# link(2) refused by the filesystem (some FUSE and SMB mounts), not by an existing name.
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS}
 
 
 def _protocol(fs: Any) -> str:

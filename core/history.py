@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from checkpointing.storage import display_url
+from checkpointing.redact import display_url
 from core.callbacks import TrainerCallback, TrainerControl
 from core.config import Config
 from core.state import TrainState

@@ -315,6 +315,8 @@ class TrainLoop:
         self._report_saves(committed)
 
     def _report_saves(self, committed: list[SaveOutcome]) -> None:
+        if committed and self._lease_lost():
+            return  # the run's history is the new holder's; every rank stops at the next step
         for outcome in committed:
             self._fire("on_save", path=outcome.location, seconds=outcome.seconds)
 

@@ -18,7 +18,8 @@ from torch.utils.data import Subset
 from checkpointing.comm import control_group
 from checkpointing.hf_export import HFFiles
 from checkpointing.manager import CheckpointManager
-from checkpointing.storage import Storage, display_url, is_private_to_process, open_storage
+from checkpointing.redact import display_url
+from checkpointing.storage import Storage, is_private_to_process, open_storage
 from core.callbacks import TrainerCallback
 from core.checkpoint import RunCheckpointer, trajectory
 from core.config import HF_PREFIX, Config, ConfigError, metric_greater_is_better

@@ -23,7 +23,8 @@ from torch import nn
 
 from checkpointing.comm import control_group
 from checkpointing.hf_export import write_hf_model
-from checkpointing.lease import Holder, Lease, LeaseLost, acquire
+from checkpointing.holder import Holder
+from checkpointing.lease import Lease, LeaseLost, acquire
 from checkpointing.manager import CheckpointManager
 from checkpointing.serialize import load_state, write_safetensors
 from core.autobatch import SEARCH_STEPS, halved, is_oom, release_memory, with_batch

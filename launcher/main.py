@@ -9,7 +9,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpointing.lease import LeaseError
 from checkpointing.manifest import CheckpointError
-from checkpointing.storage import StorageError
+from checkpointing.retry import StorageError
 from core.config import Config, ConfigError, load_config
 from core.data import DataError
 from core.trainer import Trainer

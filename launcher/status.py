@@ -16,7 +16,8 @@ import yaml
 
 from checkpointing.lease import LeaseError, read_lease
 from checkpointing.manifest import CheckpointError, list_committed, read_manifest
-from checkpointing.storage import REDACTED, Storage, open_storage
+from checkpointing.redact import REDACTED
+from checkpointing.storage import Storage, open_storage
 from core.history import AttemptEnd, AttemptStart, read_history, read_jsonl
 from core.metrics import METRICS_FILE, Throughput, format_eta
 

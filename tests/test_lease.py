@@ -26,9 +26,9 @@ import fsspec
 import pytest
 import torch
 
+from checkpointing.holder import Holder
 from checkpointing.lease import (
     LEASE,
-    Holder,
     Lease,
     LeaseHeld,
     LeaseLost,
@@ -227,10 +227,25 @@ def test_lease_copies_left_by_a_kill_mid_write_are_cleaned(tmp_path):
     assert read_lease(open_storage(run)) == lease.record
 
 
-@pytest.mark.parametrize(
-    "content", [b"{not json", b'{"format": 99, "epoch": 1}', b"[]", b'{"format": 1}']
-)
-def test_an_unreadable_lease_is_held_and_never_deleted(tmp_path, content):
+def _hostile_holder() -> bytes:
+    record = json.loads(LeaseRecord(1, other_holder(), time.time(), 60).to_bytes())
+    record["holder"]["pid"] = "1; rm -rf /"
+    return json.dumps(record).encode()
+
+
+HOSTILE_LEASES = {
+    "not-json": b"{not json",
+    "other-format": b'{"format": 99, "epoch": 1}',
+    "a-list": b"[]",
+    "no-fields": b'{"format": 1}',
+    "pid-not-a-number": _hostile_holder(),
+    "huge": b" " * (1 << 20) + b"{}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_LEASES))
+def test_an_unreadable_lease_is_held_and_never_deleted(tmp_path, kind):
+    content = HOSTILE_LEASES[kind]
     store = open_storage(tmp_path / "run")
     store.replace_bytes(LEASE, content)
     assert isinstance(try_acquire(store, Holder.this_process(), 60), LeaseUnreadable)
@@ -238,6 +253,14 @@ def test_an_unreadable_lease_is_held_and_never_deleted(tmp_path, content):
         acquire(store, Holder.this_process(), rank=0, timeout_s=60, wait_s=0)
     assert store.read_bytes(LEASE) == content
     assert not store.exists(claim_name(1))
+
+
+def test_a_directory_in_place_of_the_lease_is_held(tmp_path):
+    (tmp_path / "run" / LEASE).mkdir(parents=True)
+    store = open_storage(tmp_path / "run")
+    with pytest.raises(LeaseHeld, match="not a lease file"):
+        acquire(store, Holder.this_process(), rank=0, timeout_s=60, wait_s=0)
+    assert (tmp_path / "run" / LEASE).is_dir()
 
 
 def test_a_waiting_job_takes_the_lease_once_it_is_released(tmp_path):

@@ -11,16 +11,10 @@ import torch
 
 from checkpointing.manager import CheckpointManager, Entry
 from checkpointing.manifest import CheckpointCorruptError, list_committed, verify
+from checkpointing.redact import REDACTED, redact_options
+from checkpointing.retry import StorageError, retrying
 from checkpointing.serialize import load_state
-from checkpointing.storage import (
-    REDACTED,
-    FsspecStorage,
-    LocalStorage,
-    StorageError,
-    open_storage,
-    redact_options,
-    retrying,
-)
+from checkpointing.storage import FsspecStorage, LocalStorage, open_storage
 from core.callbacks import TrainerCallback
 from core.config import ConfigError, load_config
 from core.loop import DistInfo

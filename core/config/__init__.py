@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from checkpointing.storage import display_url, redact_options
+from checkpointing.redact import display_url, redact_options
 from core.config.checks import ConfigError, _check, first_line
 from core.config.inputs import DATA_FORMATS, HF_PREFIX, DataConfig, ModelConfig
 from core.config.sections import (

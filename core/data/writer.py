@@ -12,7 +12,7 @@ import blake3
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from checkpointing.storage import io_error_types
+from checkpointing.retry import io_error_types
 from core.data.store import digest, shard_name, sums_name
 
 IO_ERRORS = io_error_types()
