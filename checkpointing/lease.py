@@ -197,7 +197,12 @@ class Lease:
 
     def check(self, what: str) -> None:
         """Raise LeaseLost unless this job still holds the lease; call right before `what`."""
-        if self._lost is None and self.storage.exists(claim_name(self.epoch + 1)):
+        newer = claim_name(self.epoch + 1)
+        if self._lost is None and retrying(
+            f"checking the lease of {self.storage.display()} before {what}",
+            lambda: self.storage.exists(newer),
+            self.storage.retries,
+        ):
             self._lose(f"the run was taken over (a claim of epoch {self.epoch + 1} exists)")
         if self._lost is not None:
             raise LeaseLost(f"not {what}: {self._lost}")
@@ -212,7 +217,7 @@ class Lease:
                 self.renew()
             except LeaseLost:
                 pass
-            except OSError as e:  # the heartbeat thread gives up at the timeout
+            except Exception as e:  # the store: the heartbeat thread gives up at the timeout
                 logger.warning("renewing the lease: %s: %s", type(e).__name__, e)
         return self._lost is None
 
@@ -283,8 +288,8 @@ class Lease:
                 self._write(self.record)
         except LeaseLost:
             return
-        except OSError as e:  # it expires by itself after the timeout
-            logger.warning("releasing the lease: %s", e)
+        except Exception as e:  # the store: the lease expires by itself after the timeout
+            logger.warning("releasing the lease: %s: %s", type(e).__name__, e)
 
 
 def try_acquire(
