@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,23 +140,47 @@ EVENTS: tuple[str, ...] = tuple(name for name in vars(TrainerCallback) if name.s
 """Every event name `CallbackHandler.fire` accepts, in declaration order."""
 
 
+def _overrides(callback: TrainerCallback, event: str) -> bool:
+    """Whether `callback` may do something on `event` (the base class's events are no-ops)."""
+    if event in getattr(callback, "__dict__", ()):  # set on the instance
+        return True
+    return getattr(type(callback), event) is not getattr(TrainerCallback, event)
+
+
 class CallbackHandler:
-    """Calls every callback's event in order and hands back the shared control."""
+    """Calls every callback's event in order and hands back the shared control.
+
+    Only callbacks that override an event are called for it: the loop fires several events per
+    optimizer step, and calling the no-op base methods was host time on every step. Which
+    events each callback overrides is looked up again whenever the list changed (add, pop,
+    remove, or `callbacks` edited in place), not on every fire.
+    """
 
     def __init__(self, callbacks: list[TrainerCallback]) -> None:
         self.callbacks: list[TrainerCallback] = []
+        self._listeners: dict[str, list[TrainerCallback]] = {}
+        self._listed: list[TrainerCallback] | None = None  # the list _listeners was built from
         for cb in callbacks:
             self.add(cb)
 
     def fire(
         self, event: str, config: Config, state: TrainState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        if event not in EVENTS:
+        listed, now = self._listed, self.callbacks
+        # By identity: a callback that compares equal to another (a dataclass) is not the same.
+        if listed is None or len(listed) != len(now) or not all(map(operator.is_, listed, now)):
+            self._index()
+        listeners = self._listeners.get(event)
+        if listeners is None:
             # A typo must fail loudly, not silently skip every callback.
             raise ValueError(f"unknown callback event {event!r}; known: {', '.join(EVENTS)}")
-        for cb in self.callbacks:
+        for cb in listeners:
             getattr(cb, event)(config, state, control, **kwargs)
         return control
+
+    def _index(self) -> None:
+        self._listeners = {e: [cb for cb in self.callbacks if _overrides(cb, e)] for e in EVENTS}
+        self._listed = list(self.callbacks)
 
     # -- the list, as in Hugging Face's CallbackHandler ----------------------------------------
     def add(self, callback: TrainerCallback | type[TrainerCallback]) -> None:

@@ -338,7 +338,7 @@ class TrainLoop:
             self.checkpointer.check_rng()  # first step after a resume: RNG must be untouched
         step = state.global_step + 1
         will_log = step % self.config.train.logging_steps == 0 or step == self.total_steps
-        lr = engine.schedule.last_lr()
+        lr = engine.schedule.last_lr() if will_log else 0.0  # before the step: what it trains with
         self._fire("on_step_begin")
         losses = []
         for i, _ in enumerate(sizes):
@@ -386,18 +386,25 @@ class TrainLoop:
     # -- logging -----------------------------------------------------------------------------
     def _log(self, losses: list[torch.Tensor], grad_norm: torch.Tensor | None, lr: float) -> None:
         state = self.state
-        # One collective carries the loss, and whether rank 0 lost the run's lease (nothing is
-        # reported then: the run's files are another job's); float64 keeps the sum over ranks
-        # exact and ordered.
+        # Whether rank 0 lost the run's lease rides with the loss (nothing is reported then:
+        # the run's files are another job's).
         lost = self._lease_lost()
-        total = torch.stack(losses).to(torch.float64).sum().reshape(1)
-        if self.dist.world_size > 1:
-            total = torch.cat([total, total.new_tensor([float(lost)])])
-            dist.all_reduce(total)
-        loss_sum, *flag = total.tolist()
-        if flag[0] if flag else lost:
+        if self.dist.world_size == 1 and len(losses) == 1:
+            # What the float64 sum below gives for one loss (widening is exact; + 0.0 maps -0.0
+            # to 0.0 as the sum does), minus four tensor ops on every logged step.
+            loss = losses[0].item() + 0.0
+        else:
+            # One collective carries the loss and the flag; float64 keeps the sum over ranks
+            # exact and ordered.
+            total = torch.stack(losses).to(torch.float64).sum().reshape(1)
+            if self.dist.world_size > 1:
+                total = torch.cat([total, total.new_tensor([float(lost)])])
+                dist.all_reduce(total)
+            loss_sum, *flag = total.tolist()
+            lost = bool(flag[0]) if flag else lost
+            loss = loss_sum / (self.dist.world_size * len(losses))
+        if lost:
             raise self.checkpointer.lease_lost_error(state.global_step)
-        loss = loss_sum / (self.dist.world_size * len(losses))
         now = time.perf_counter()
         t0, s0 = self._last_log
         self._last_log = (now, state.global_step)

@@ -114,6 +114,37 @@ def test_fire_passes_extra_keywords_to_overrides_that_take_them(config):
     assert seen == {"micro_batches": 4}
 
 
+def test_fire_skips_callbacks_that_keep_the_no_op(config, monkeypatch):
+    calls: list = []
+    handler = CallbackHandler([Recorder("a", calls), TrainerCallback(), Recorder("b", calls)])
+    fire(handler, "on_log", config, logs={"loss": 1.0})  # the handler looks up overrides here
+    spy = []
+    monkeypatch.setattr(TrainerCallback, "on_log", lambda *a, **k: spy.append(a))
+    fire(handler, "on_log", config, logs={"loss": 2.0})
+    assert calls == [("a", 1.0), ("b", 1.0), ("a", 2.0), ("b", 2.0)] and spy == []
+
+
+def test_fire_follows_edits_of_the_list_and_instance_overrides(config):
+    calls: list = []
+    handler = CallbackHandler([Recorder("a", calls)])
+    fire(handler, "on_log", config, logs={"loss": 1.0})
+    handler.callbacks.insert(0, Recorder("first", calls))  # edited in place, not through add
+    plain = TrainerCallback()
+    plain.on_log = lambda config, state, control, logs, **kw: calls.append(("inst", logs["loss"]))
+    handler.add(plain)
+    fire(handler, "on_log", config, logs={"loss": 2.0})
+    handler.pop(Recorder)
+    fire(handler, "on_log", config, logs={"loss": 3.0})
+    assert calls == [
+        ("a", 1.0),
+        ("first", 2.0),
+        ("a", 2.0),
+        ("inst", 2.0),
+        ("a", 3.0),
+        ("inst", 3.0),
+    ]
+
+
 def test_unknown_event_raises(config):
     handler = CallbackHandler([TrainerCallback()])
     with pytest.raises(ValueError, match="on_stepend"):

@@ -7,6 +7,7 @@ import torch
 
 from core.callbacks import TrainerCallback
 from core.config import load_config
+from core.engines.ddp import DDPEngine
 from core.loop import DistInfo
 from core.run import build_trainer
 from tests.launch import SMALL, read_metrics
@@ -106,6 +107,21 @@ def test_seed_changes_the_trajectory(tmp_path):
 def test_bf16_autocast_trains(tmp_path):
     _, _, metrics = train(tmp_path, "--train.max_steps", "20", "--train.bf16", "true")
     assert metrics[-1]["loss"] < metrics[0]["loss"]
+
+
+def test_engine_forward_autocasts_only_for_bf16():
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def engine(bf16):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return DDPEngine(model, opt, None, torch.device("cpu"), bf16, loss_fn=lambda m, b: m(b))
+
+    fp32, bf16 = engine(False), engine(True)
+    assert fp32.forward(x).dtype == torch.float32
+    assert bf16.forward(x).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a caller's autocast: fp32 stays fp32
+        assert fp32.forward(x).dtype == torch.float32
 
 
 @pytest.mark.parametrize("name", ["cosine", "reduce_lr_on_plateau", "inverse_sqrt"])

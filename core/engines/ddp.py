@@ -86,8 +86,13 @@ class DDPEngine(Engine):
 
     def forward(self, batch: Any) -> torch.Tensor:
         batch = move_to_device(batch, self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._bf16):
-            return self._loss_fn(self._wrapped, batch)
+        if self._bf16 or torch.is_autocast_enabled(self.device.type):
+            # A disabled autocast also switches off one the caller entered: fp32 stays fp32.
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._bf16):
+                return self._loss_fn(self._wrapped, batch)
+        # fp32 with no autocast around: entering a disabled one would change nothing, and
+        # cost host time on every micro-batch.
+        return self._loss_fn(self._wrapped, batch)
 
     def backward(self, loss: torch.Tensor, num_micro_batches: int) -> None:
         (loss / num_micro_batches if num_micro_batches > 1 else loss).backward()
