@@ -328,7 +328,9 @@ class CheckpointManager:
             root = target.local_path()
             sized = [(target.size(rel), rel) for d in snap.directories for rel in target.files(d)]
             mine = split_by_size(sized, self.world_size, self.rank)
-            return {rel: sync_and_digest(root / rel) for rel in mine}
+            with ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="checkpoint-sync") as pool:
+                digests = pool.map(lambda rel: sync_and_digest(root / rel), mine)
+                return dict(zip(mine, digests, strict=True))
         # Object store: each rank uploads what its engine wrote into its own staging folder.
         out = {}
         for path in sorted(p for p in snap.staged.rglob("*") if p.is_file()):

@@ -13,6 +13,7 @@ import os
 import struct
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -355,10 +356,12 @@ def _parse_safetensors(storage: Storage, rel: str, data: bytes | None) -> dict[s
 
 
 def sync_and_digest(path: Path) -> FileDigest:
-    """fsync a local file another writer left (reading it once for its hash on the way)."""
-    with open(path, "rb") as f:
+    """fsync a local file another writer left, reading it once for its hash meanwhile: the
+    fsync waits on the disk while the hash reads the page cache, so they overlap."""
+    with open(path, "rb") as f, ThreadPoolExecutor(1, "fsync") as pool:
+        synced = pool.submit(os.fsync, f.fileno())
         size, digest = digest_stream(f)
-        os.fsync(f.fileno())
+        synced.result()
     return FileDigest(size, digest)
 
 
