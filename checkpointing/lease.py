@@ -229,7 +229,7 @@ class Lease:
         newer = None
         try:
             newer = read_lease(self.storage)
-        except (OSError, LeaseError):
+        except Exception:  # only for the message: the store may be what failed
             pass
         by = f"; now {newer.describe()}" if newer and newer.epoch > self.epoch else ""
         with self._lose_lock:  # the heartbeat and a commit may find out at once: say it once
