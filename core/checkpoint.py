@@ -141,6 +141,8 @@ class RunCheckpointer:
         """(step, metrics) of the latest evaluation; a save at that step records the metric."""
         self.extra_state: Callable[[], dict[str, Stateful]] = dict
         """More global entries (callbacks with state), asked for at every save and load."""
+        self.sized_for: tuple[int, str] | None = None
+        """`core.elastic.sizing` of the checkpoint the run was built to resume."""
         self._pending_rng_check: str | None = None
         self._ended: list[SaveOutcome] = []
 

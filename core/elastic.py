@@ -7,6 +7,7 @@ Elastic rules: see "Changing the number of workers" in the README.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any
 
@@ -59,6 +60,14 @@ NAMED_ENGINES = {"ddp", "fsdp"}
 def crosses(saved: str, now: str) -> bool:
     """Whether a checkpoint of engine `saved` resumes under engine `now` (another one)."""
     return saved != now and {saved, now} <= NAMED_ENGINES
+
+
+def sizing(saved: Manifest | None) -> tuple[int, str] | None:
+    """What `fit_world_size` reads of a checkpoint: a run built for one value must be built
+    again for another (another job wrote the run while this one waited for its lease)."""
+    if saved is None:
+        return None
+    return saved.world_size, json.dumps(saved.trajectory, sort_keys=True, default=str)
 
 
 def fit_world_size(config: Config, saved: Manifest | None, world_size: int) -> Config:

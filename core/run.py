@@ -37,7 +37,7 @@ from core.data.from_store import check_store, open_training_store, store_lengths
 from core.data.sampler import BijectiveSampler, ResumableDistributedSampler
 from core.data.stream import StreamPosition, is_stream
 from core.data.tokenizers import check_vocab
-from core.elastic import fit_world_size
+from core.elastic import fit_world_size, sizing
 from core.engines.base import Engine
 from core.engines.ddp import DDPEngine
 from core.evaluation import evaluate
@@ -286,7 +286,8 @@ def build_trainer(
     )
     # A resume on another number of ranks may change the accumulation: decide before anything
     # is sized by it.
-    config = fit_world_size(config, manager.peek(cc.resume_from), dist_info.world_size)
+    peeked = manager.peek(cc.resume_from)
+    config = fit_world_size(config, peeked, dist_info.world_size)
 
     # Cheap checks of the model and tokenizer first: a bad name fails before tokenising.
     tokenizer = load_tokenizer(config.data)
@@ -398,6 +399,7 @@ def build_trainer(
         ),
         hf_files,
     )
+    checkpointer.sized_for = sizing(peeked)
     reporters: list[TrainerCallback] = []
     if dist_info.is_main:
         reporters = build_reporters(

@@ -11,6 +11,7 @@ get `dist_info`, `device` and `stop_requested` from `launcher.session()`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -30,11 +31,14 @@ from checkpointing.serialize import load_state, write_safetensors
 from core.autobatch import SEARCH_STEPS, halved, is_oom, release_memory, with_batch
 from core.callbacks import TrainerCallback
 from core.config import Config, dump_config, load_config
+from core.elastic import sizing
 from core.loop import DistInfo, TrainLoop
 from core.memory import StageMemory
 from core.reporting import finish_attempt
 from core.run import UserParts, build_trainer, open_checkpoint_storage
 from core.state import TrainState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -151,10 +155,9 @@ class Trainer:
             group=control_group(),
         )
 
-    def _train_once(self, config: Config) -> TrainState:
-        memory = StageMemory(self.device)
+    def _build(self, config: Config, memory: StageMemory) -> TrainLoop:
         with memory.stage("init"):
-            self.loop = build_trainer(
+            return build_trainer(
                 config,
                 self.dist_info,
                 self.device,
@@ -163,10 +166,21 @@ class Trainer:
                 parts=self.parts,
                 memory=memory,
             )
+
+    def _train_once(self, config: Config) -> TrainState:
+        memory = StageMemory(self.device)
+        self.loop = self._build(config, memory)
         # Building reads the run (the checkpoint to resume) and writes nothing: bad input
         # fails before the lease. Before anything of the run is written, one job holds it.
         if self._lease is None:
             self._lease = self._acquire_lease(config)
+            checkpointer = self.loop.checkpointer
+            now = sizing(checkpointer.manager.peek(config.checkpoint.resume_from))
+            if now != checkpointer.sized_for:
+                # Another job wrote the run meanwhile (on other ranks, say): size it anew.
+                if self.dist_info.is_main:
+                    logger.info("the run changed while waiting for its lease: building it again")
+                self.loop = self._build(config, memory)
         self.loop.checkpointer.manager.lease = self._lease
         if self.dist_info.is_main:  # only once everything was built: bad input writes nothing
             out = Path(config.run.output_dir)
