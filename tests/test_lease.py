@@ -49,8 +49,13 @@ from tests.checkpoints import assert_same_checkpoint
 from tests.launch import SMALL, Output, kill_tree, last_checkpoint, run_launcher, start, wait_for
 from tests.objectstore import S3Server
 
+# 4 samples per rank x 2 micro-batches: 1 and 2 workers can each resume the other's checkpoint.
 ARGS = (
     *SMALL,
+    "--train.per_device_batch_size",
+    "4",
+    "--train.gradient_accumulation_steps",
+    "2",
     "--train.max_steps",
     "24",
     "--checkpoint.save_steps",
@@ -291,16 +296,16 @@ def test_the_holder_renews_its_heartbeat_and_status_shows_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Uninterrupted runs, by worker count and arguments (made when first asked for)."""
+    """Uninterrupted runs of ARGS, by worker count (made when first asked for)."""
     made: dict = {}
 
-    def get(nproc: int | None, args: tuple[str, ...] = ARGS) -> Path:
-        if (nproc, args) not in made:
+    def get(nproc: int | None) -> Path:
+        if nproc not in made:
             run_dir = tmp_path_factory.mktemp("reference") / f"run-{nproc}"
-            result = run_launcher(run_dir, nproc, *args)
+            result = run_launcher(run_dir, nproc, *ARGS)
             assert result.returncode == 0, result.output
-            made[nproc, args] = run_dir
-        return made[nproc, args]
+            made[nproc] = run_dir
+        return made[nproc]
 
     return get
 
@@ -354,10 +359,8 @@ def test_jobs_of_other_worker_counts_waiting_on_one_run_resume_what_the_holder_l
     """Both built on an empty run, then waited; the one that gets the run second finds a
     checkpoint of another number of ranks and is built again for it."""
     run_dir = tmp_path / "run"
-    # 4 per rank x 2 micro-batches: each worker count can resume the other's checkpoint.
-    args = (*ARGS, "--train.per_device_batch_size", "4", "--train.gradient_accumulation_steps", "2")
     held = acquire(open_storage(run_dir), other_holder(), 0, timeout_s=60, wait_s=0)
-    jobs = [start(run_dir, n, *args, "--run.lease_wait_s", "240") for n in (None, 2)]
+    jobs = [start(run_dir, n, *ARGS, "--run.lease_wait_s", "240") for n in (None, 2)]
     outputs = [Output(p) for p in jobs]
     try:
         assert wait_for(lambda: all(o.count("waiting up to") for o in outputs), jobs[0], 120)
@@ -370,7 +373,7 @@ def test_jobs_of_other_worker_counts_waiting_on_one_run_resume_what_the_holder_l
     second = [i for i, t in enumerate(texts) if "building it again" in t]
     assert len(second) == 1, texts
     winner = (None, 2)[1 - second[0]]
-    assert_same_checkpoint(last_checkpoint(run_dir), last_checkpoint(references(winner, args)))
+    assert_same_checkpoint(last_checkpoint(run_dir), last_checkpoint(references(winner)))
     assert_one_run(run_dir)
 
 
