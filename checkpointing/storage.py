@@ -252,7 +252,7 @@ class LocalStorage(Storage):
             return self._create_excl(rel, data)
         finally:
             aside.unlink()
-        self.sync_dir(str(Path(rel).parent) if "/" in rel else "")
+        self._sync_parent(rel)
         return True
 
     def _create_excl(self, rel: str, data: bytes) -> bool:
@@ -262,13 +262,15 @@ class LocalStorage(Storage):
             fd = os.open(self._p(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        self.sync_dir(str(Path(rel).parent) if "/" in rel else "")
+        with os.fdopen(fd, "wb") as f:  # write() of a file object writes every byte
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        self._sync_parent(rel)
         return True
+
+    def _sync_parent(self, rel: str) -> None:
+        self.sync_dir(str(Path(rel).parent) if "/" in rel else "")
 
     def replace_bytes(self, rel: str, data: bytes) -> None:
         aside = self._write_aside(rel, data)
@@ -277,7 +279,7 @@ class LocalStorage(Storage):
         except BaseException:
             aside.unlink(missing_ok=True)
             raise
-        self.sync_dir(str(Path(rel).parent) if "/" in rel else "")
+        self._sync_parent(rel)
 
     def sync_dir(self, rel: str = "") -> None:
         fd = os.open(self._p(rel), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

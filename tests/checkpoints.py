@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +116,21 @@ def rewrite_manifest_entry(checkpoint: Path, path: Path) -> None:
     rel = path.relative_to(checkpoint).as_posix()
     manifest["files"][rel] = file_record(path.read_bytes())
     (checkpoint / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+class Weights:
+    """A Stateful holding one tensor, as a model would."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict:
+        return {"w": self.t}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.t = state["w"]
+
+
+def memory_url() -> str:
+    """A fresh place in fsspec's memory:// store (object-store semantics, one process)."""
+    return f"memory://test-{uuid.uuid4().hex[:8]}/run"

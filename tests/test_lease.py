@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import fsspec
@@ -45,7 +44,7 @@ from checkpointing.storage import FsspecStorage, Storage, open_storage
 from core.history import AttemptEnd, AttemptStart, read_history
 from launcher import exit_codes
 from launcher.status import format_status, run_status
-from tests.checkpoints import assert_same_checkpoint
+from tests.checkpoints import Weights, assert_same_checkpoint, memory_url
 from tests.launch import SMALL, Output, kill_tree, last_checkpoint, run_launcher, start, wait_for
 from tests.objectstore import S3Server
 
@@ -65,23 +64,8 @@ ARGS = (
 )
 
 
-class Weights:
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def state_dict(self) -> dict:
-        return {"w": self.t}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.t = state["w"]
-
-
 def other_holder(host: str = "elsewhere", pid: int = 4242) -> Holder:
     return Holder(host, pid, None, None, "job-7", time.time())
-
-
-def memory_url() -> str:
-    return f"memory://lease-{uuid.uuid4().hex[:8]}/run"
 
 
 def dead_pid() -> int:

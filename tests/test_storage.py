@@ -4,7 +4,6 @@ fsspec's memory:// filesystem (object-store semantics: no rename, the manifest i
 from __future__ import annotations
 
 import logging
-import uuid
 
 import pytest
 import torch
@@ -20,25 +19,8 @@ from core.config import ConfigError, load_config
 from core.loop import DistInfo
 from core.run import build_trainer, open_checkpoint_storage
 from launcher.status import run_status
-from tests.checkpoints import assert_tensors_equal, load_entry
+from tests.checkpoints import Weights, assert_tensors_equal, load_entry, memory_url
 from tests.launch import SMALL
-
-
-class Weights:
-    """A Stateful holding one tensor, as a model would."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def state_dict(self) -> dict:
-        return {"w": self.t}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.t = state["w"]
-
-
-def memory_url() -> str:
-    return f"memory://test-{uuid.uuid4().hex[:8]}/run"
 
 
 def save(manager: CheckpointManager, step: int, weights: Weights, background: bool = False):
