@@ -179,6 +179,8 @@ class Lease:
     storage: Storage
     record: LeaseRecord
     primary: bool
+    waited: bool = False
+    """Whether another job held the run when this one came (`acquire` waited for it)."""
     _lost: str | None = None
     _renewed: float = field(default_factory=time.monotonic)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -361,7 +363,7 @@ def acquire(
             if isinstance(found, StorageError):
                 outcome = found
             elif isinstance(found, Lease):
-                outcome = found.record
+                outcome = (found.record, said)
             else:
                 blocker = str(found) if isinstance(found, LeaseUnreadable) else found.describe()
                 if time.monotonic() >= deadline:
@@ -377,8 +379,10 @@ def acquire(
         outcome = broadcast_object(outcome, group)
         if isinstance(outcome, StorageError):  # every rank exits 4 with rank 0's error
             raise outcome
-        if isinstance(outcome, LeaseRecord):
-            lease = found if rank == 0 else Lease(storage, outcome, primary=False)
+        if isinstance(outcome, tuple):
+            record, waited = outcome
+            lease = found if rank == 0 else Lease(storage, record, primary=False)
+            lease.waited = waited
             return lease.start()
         if isinstance(outcome, str):
             raise LeaseHeld(outcome)

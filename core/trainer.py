@@ -175,8 +175,10 @@ class Trainer:
         if self._lease is None:
             self._lease = self._acquire_lease(config)
             checkpointer = self.loop.checkpointer
-            now = sizing(checkpointer.manager.peek(config.checkpoint.resume_from))
-            if now != checkpointer.sized_for:
+            # Only a job that waited can find the run changed: the holder wrote meanwhile.
+            if self._lease.waited and checkpointer.sized_for != sizing(
+                checkpointer.manager.peek(config.checkpoint.resume_from)
+            ):
                 # Another job wrote the run meanwhile (on other ranks, say): size it anew.
                 if self.dist_info.is_main:
                     logger.info("the run changed while waiting for its lease: building it again")
