@@ -11,8 +11,9 @@ verifies every file's hash, then load model and optimizer into fresh objects: re
 against a plain read of the same files (16 MB at a time into one buffer), alternating, medians.
 Before each side the page cache is written back and dropped where this process may (root:
 /proc/sys/vm/drop_caches), so both read from the disk; elsewhere both read from memory
-(`config.page_cache` says which). Ours reads every byte twice: once to verify its hash, once to
-decode it into fresh tensors (the second read then comes from the page cache).
+(`config.page_cache` says which). Ours reads every byte from the disk once, to verify its hash
+(BLAKE3 over a mapping of the file, on every core), then decodes it from the page cache (the
+safetensors reader maps the verified file) into the model and the optimizer.
 
     python bench/checkpoint_save.py [--reps 7] [--dir DIR] [--n-layer 8] [--n-embd 768]
 """

@@ -10,6 +10,7 @@ threads (`max_threads=AUTO`), so hashing keeps up with the disk. Both release th
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -64,6 +65,23 @@ def digest_stream(f: BinaryIO, algorithm: str = ALGORITHM) -> tuple[int, str]:
         h.update(chunk)
         size += len(chunk)
     return size, h.hexdigest()
+
+
+def digest_file(path: str | os.PathLike, algorithm: str = ALGORITHM) -> tuple[int, str]:
+    """(size, hex digest) of a local file.
+
+    BLAKE3 maps the file and hashes it on every core (`update_mmap`): the kernel reads ahead
+    while the threads hash, with no copy into a Python buffer. On this machine's disk, page cache
+    dropped, that verified a 683 MB checkpoint in 0.33 s against 0.40 s for 16 MB reads on four
+    threads and 0.27-0.45 s for a plain read (bench/checkpoint_save.py, load_throughput). The
+    safetensors reader maps the same files afterwards, so this adds no exposure a load does not
+    already have (a file truncated under a mapping faults the process in both)."""
+    if algorithm == "blake3" and hasattr(blake3.blake3, "update_mmap"):
+        h = hasher(algorithm)
+        h.update_mmap(os.fspath(path))
+        return os.stat(path).st_size, h.hexdigest()
+    with open(path, "rb") as f:
+        return digest_stream(f, algorithm)
 
 
 def recorded(meta: Any) -> tuple[int, str, str]:

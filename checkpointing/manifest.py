@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from checkpointing.digest import DigestRecordError, digest_stream, recorded
+from checkpointing.digest import DigestRecordError, digest_file, digest_stream, recorded
 from checkpointing.retry import retrying
 from checkpointing.storage import Storage, as_storage
 
@@ -106,9 +106,14 @@ def verify_file(storage: Storage, rel: str, meta: dict[str, Any]) -> None:
             raise CheckpointCorruptError(
                 f"{where}: {size} bytes, the manifest says {size_recorded}"
             )
-        with storage.open_read(rel) as f:
-            if digest_stream(f, algorithm)[1] != digest:
-                raise CheckpointCorruptError(f"{where}: {algorithm} differs from the manifest")
+        local = storage.local_path(rel)
+        if local is not None:
+            found = digest_file(local, algorithm)
+        else:
+            with storage.open_read(rel) as f:
+                found = digest_stream(f, algorithm)
+        if found != (size_recorded, digest):
+            raise CheckpointCorruptError(f"{where}: {algorithm} differs from the manifest")
 
     retrying(f"verifying {where}", check, storage.retries)
 

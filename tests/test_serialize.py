@@ -15,6 +15,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from checkpointing.digest import digest_file, digest_stream
 from checkpointing.serialize import (
     FileDigest,
     StateFormatError,
@@ -277,3 +278,15 @@ def test_missing_tensor_reference(tmp_path):
     os.unlink(tmp_path / "s.safetensors")
     with pytest.raises(StateFormatError, match=r"s\.json"):
         load_state(tmp_path, "s")
+
+
+@pytest.mark.parametrize("size", [0, 1, 1024, (16 << 20) + 3])
+def test_file_digest_is_the_stream_digest(tmp_path, size):
+    """A local file verifies through a mapping (BLAKE3 on every core); the digest is the one a
+    stream read gives, for an empty file and one of more than a read chunk too."""
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(size))
+    for algorithm in ("blake3", "sha256"):
+        with path.open("rb") as f:
+            assert digest_file(path, algorithm) == digest_stream(f, algorithm)
+    assert digest_file(path) == (size, blake3.blake3(path.read_bytes()).hexdigest())
