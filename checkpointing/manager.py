@@ -52,7 +52,7 @@ from checkpointing.serialize import (
     sync_and_digest,
     write_encoded,
 )
-from checkpointing.staging import BackgroundSave, SaveOutcome, Staging
+from checkpointing.staging import BackgroundSave, SaveOutcome, Staging, updated_by_step, wait_for
 from checkpointing.stateful import Entry, rank_name, split_by_size
 from checkpointing.storage import Storage, as_storage
 
@@ -172,8 +172,13 @@ class CheckpointManager:
             time.perf_counter() - t0,
             held / 1e6,
         )
-        group = self._writer_group
-        self._inflight = BackgroundSave(step, lambda: self._write_and_commit(snap, group))
+        group, copies = self._writer_group, self._staging.enqueued()
+
+        def work() -> str:
+            wait_for(copies)  # device-to-host copies still landing in the staging buffers
+            return self._write_and_commit(snap, group)
+
+        self._inflight = BackgroundSave(step, work)
         return done
 
     def poll(self) -> list[SaveOutcome]:
@@ -239,6 +244,7 @@ class CheckpointManager:
             raise error
 
         files, directories, staged = [], [], None
+        step_only = updated_by_step(e.obj for e in entries.values()) if stage else set()
         for name, entry in entries.items():
             if entry.kind == "directory":
                 # An engine's own save writes local files, a collective: into the temp directory
@@ -256,9 +262,9 @@ class CheckpointManager:
                 continue
             # A sharded entry's DTensors encode as pieces: each rank writes only its own.
             file = rank_name(name, self.rank) if entry.rank_files else name
-            structure, tensors, live = encode_views(entry.obj.state_dict())
+            structure, tensors, live = encode_views(entry.obj.state_dict(), keep_cuda=stage)
             if stage:
-                tensors = self._staging.stage(file, tensors, live)
+                tensors = self._staging.stage(file, tensors, live, step_only)
             files.append((file, structure, tensors))
         if directories:
             barrier(self.group)  # every rank's engine files are written before any is hashed

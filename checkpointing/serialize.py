@@ -78,15 +78,20 @@ class StateFormatError(ValueError):
 # ---------------------------------------------------------------------------- encode / decode
 
 
-def _to_cpu(t: torch.Tensor) -> torch.Tensor:
-    """Plain, contiguous CPU tensor with the same values; no copy when `t` already is one."""
+def _to_cpu(t: torch.Tensor, keep_cuda: bool = False) -> torch.Tensor:
+    """Plain, contiguous CPU tensor with the same values; no copy when `t` already is one.
+    `keep_cuda`: a CUDA tensor stays on its device (contiguous), for the caller to copy."""
     if t.layout != torch.strided or t.is_meta:
         raise TypeError(f"cannot save a {t.layout} tensor on {t.device}: only dense data")
-    return t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    t = t.detach()
+    if not (keep_cuda and t.is_cuda):
+        t = t.to("cpu")
+    return t.resolve_conj().resolve_neg().contiguous()
 
 
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, keep_cuda: bool = False) -> None:
+        self.keep_cuda = keep_cuda
         self.tensors: dict[str, torch.Tensor] = {}
         # Identical views (tied weights) map to one key; byte extents per storage detect overlaps.
         self._views: dict[tuple, str] = {}
@@ -107,7 +112,7 @@ class _Encoder:
         view = (*storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if t.numel() and view in self._views:  # empty tensors may all sit at address 0
             return {TENSOR: self._views[view]}
-        out = _to_cpu(t)
+        out = _to_cpu(t, self.keep_cuda)
         if t.numel() > 0 and out.data_ptr() == t.data_ptr():  # still a view, not a fresh copy
             start = t.storage_offset() * t.element_size()
             span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
@@ -192,10 +197,13 @@ def encode(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     return structure, tensors
 
 
-def encode_views(state: Any) -> tuple[Any, dict[str, torch.Tensor], set[str]]:
+def encode_views(
+    state: Any, keep_cuda: bool = False
+) -> tuple[Any, dict[str, torch.Tensor], set[str]]:
     """`encode`, plus the keys of the tensors that are views of `state`'s memory (the ones an
-    asynchronous save must copy before training changes them)."""
-    enc = _Encoder()
+    asynchronous save must copy before training changes them). `keep_cuda`: CUDA tensors are
+    left on their device for the caller to copy (checkpointing.staging), not copied here."""
+    enc = _Encoder(keep_cuda)
     return enc(state, []), enc.tensors, enc.live
 
 

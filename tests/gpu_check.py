@@ -1,6 +1,7 @@
 """Exactness on a GPU, run by hand on a CUDA machine (not by pytest):
 
-    python tests/gpu_check.py [pretrain_bf16 | pretrain_bf16_full_determinism | sft_chat_gc_bf16]
+    python tests/gpu_check.py [pretrain_bf16 | pretrain_bf16_full_determinism | sft_chat_gc_bf16
+                               | pretrain_bf16_async]
 
 configs/hf-pretrain.yaml and configs/sft-chat.yaml with the tiny local Llama and tokenizer on one
 device (torchrun, nccl on CUDA): a reference run of 30 steps (Trainer.save_model at the end) and a
@@ -177,6 +178,9 @@ CHECKS = {
     "pretrain_bf16": PRETRAIN,
     "pretrain_bf16_full_determinism": [*PRETRAIN, "--run.full_determinism", "true"],
     "sft_chat_gc_bf16": SFT,
+    # Saves staged into pinned buffers on a side stream (checkpointing/staging.py): the resumed
+    # run starts from a checkpoint-10 that must hold step 10's state, not step 11's.
+    "pretrain_bf16_async": [*PRETRAIN, "--checkpoint.async_save", "true"],
 }
 for name, args in CHECKS.items():
     if len(sys.argv) == 1 or name in sys.argv[1:]:

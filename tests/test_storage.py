@@ -8,14 +8,17 @@ import logging
 import pytest
 import torch
 
+from checkpointing.balanced import Balanced
 from checkpointing.manager import CheckpointManager, Entry
 from checkpointing.manifest import CheckpointCorruptError, list_committed, verify
 from checkpointing.redact import REDACTED, redact_options
 from checkpointing.retry import StorageError, retrying
 from checkpointing.serialize import load_state
+from checkpointing.staging import updated_by_step
 from checkpointing.storage import FsspecStorage, LocalStorage, open_storage
 from core.callbacks import TrainerCallback
 from core.config import ConfigError, load_config
+from core.engines.named_state import OptimizerState
 from core.loop import DistInfo
 from core.run import build_trainer, open_checkpoint_storage
 from launcher.status import run_status
@@ -155,6 +158,84 @@ def test_an_async_save_reports_the_bytes_it_holds(tmp_path, caplog, layout):
         save(manager, 1, weights, background=True)
         manager.wait()
     assert "(4.0 MB held for the writer)" in caplog.text, caplog.text
+
+
+def test_staging_buffers_are_allocated_once_and_reused(tmp_path):
+    """The second async save copies into the buffers the first one allocated (no new memory,
+    no page faults), and writes its own step's values."""
+    big = torch.randn(1_000_000)
+    manager = CheckpointManager(tmp_path, async_save=True)
+    weights = Weights(big)
+    save(manager, 1, weights, background=True)
+    first = {k: b.data_ptr() for k, b in manager._staging._buffers.items()}
+    big.add_(1.0)
+    save(manager, 2, weights, background=True)
+    manager.wait()
+    assert {k: b.data_ptr() for k, b in manager._staging._buffers.items()} == first
+    assert torch.equal(load_state(tmp_path / "checkpoint-2", "w")["w"], big)
+
+
+def test_what_only_an_optimizer_step_changes():
+    """The storages an async save may copy on a side stream (they change only in an optimizer
+    step): every engine entry's parameters and optimizer state, found through the wrappers the
+    engines use; not a buffer a forward updates in place, not the schedule's values."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    entries = {
+        "model": Balanced(model, 0, 1),
+        "optimizer": Balanced(OptimizerState(model, opt), 0, 1),
+        "scheduler": schedule,
+    }
+    found = updated_by_step(entries.values())
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    state = {t.untyped_storage().data_ptr() for s in opt.state.values() for t in s.values()}
+    buffers = {b.untyped_storage().data_ptr() for b in model.buffers()}
+    assert params | state <= found
+    assert not buffers & found
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_async_save_holds_the_state_of_its_step(tmp_path):
+    """On a GPU: pinned buffers, side-stream copies; training goes on at once (forward, backward
+    and optimizer steps change every parameter and moment in place), and the checkpoint still
+    holds the values of the step it was staged at, bit for bit. Runs on a CUDA machine only."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step() -> None:
+        model(torch.randn(64, 512, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def snapshot() -> dict:
+        return {
+            "model": {k: v.cpu().clone() for k, v in model.state_dict().items()},
+            "optimizer": {
+                i: {k: v.cpu().clone() for k, v in s.items()}
+                for i, s in opt.state_dict()["state"].items()
+            },
+        }
+
+    step()
+    entries = {"model": Entry(model), "optimizer": Entry(OptimizerState(model, opt))}
+    manager = CheckpointManager(tmp_path, async_save=True)
+    for rep in (1, 2):  # the second save reuses the pinned buffers
+        expected = snapshot()
+        manager.save(rep, entries, {}, "fp", checks={}, rank_checks={}, background=True)
+        for _ in range(3):
+            step()
+        manager.wait()
+        pinned = [b.is_pinned() for (f, _), b in manager._staging._buffers.items() if f == "model"]
+        assert pinned and all(pinned)  # every model tensor is on the GPU
+        model_state = load_state(tmp_path / f"checkpoint-{rep}", "model")
+        assert_tensors_equal(model_state, expected["model"])
+        saved = load_state(tmp_path / f"checkpoint-{rep}", "optimizer")["state"]
+        for i, moments in expected["optimizer"].items():
+            assert_tensors_equal(saved[i], moments)
 
 
 def test_at_most_one_save_in_flight(tmp_path, caplog):
