@@ -14,8 +14,8 @@ import yaml
 from checkpointing.deepspeed_files import deepspeed_weights
 from checkpointing.digest import recorded
 from checkpointing.hf_export import DEFAULT_MAX_SHARD_SIZE, HF_ENTRY, HFFiles, write_hf_model
-from checkpointing.manager import TMP_PREFIX
 from checkpointing.manifest import CheckpointError, list_checkpoints, verify
+from checkpointing.retention import TMP_PREFIX
 from checkpointing.serialize import load_state, write_safetensors
 from checkpointing.sharded import read_entry
 from checkpointing.storage import Storage, open_storage

@@ -24,26 +24,22 @@ import logging
 import shutil
 import tempfile
 import time
-import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from checkpointing.comm import barrier, broadcast_object, gather_objects
-from checkpointing.lease import CLAIMS, LEASE, Lease, LeaseLost
+from checkpointing.lease import Lease, LeaseLost
 from checkpointing.manifest import (
     MANIFEST,
     Manifest,
-    checkpoint_step,
-    list_committed,
-    read_manifest,
 )
 from checkpointing.restore import Restorer
+from checkpointing.retention import TMP_PREFIX, Housekeeping
 from checkpointing.retry import StorageError, retrying
 from checkpointing.serialize import (
     FileDigest,
@@ -57,12 +53,9 @@ from checkpointing.stateful import Entry, rank_name, split_by_size
 from checkpointing.storage import Storage, as_storage
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
-TMP_PREFIX = ".tmp-checkpoint-"
 WRITE_THREADS = 4
 """Files of one rank's checkpoint written at once (each hashed on a thread of its own too)."""
-TRASH_PREFIX = ".trash-"
 
 
 class CheckpointSaveError(StorageError):
@@ -86,7 +79,7 @@ class _Snapshot:
     t0: float = field(default_factory=time.perf_counter)
 
 
-class CheckpointManager:
+class CheckpointManager(Housekeeping):
     """Owns `<root>/checkpoint-<step>`: save (sync or in the background), find, verify, load,
     retain."""
 
@@ -123,10 +116,6 @@ class CheckpointManager:
         self._staging = Staging()
         self._inflight: BackgroundSave | None = None
         self._finished: list[SaveOutcome] = []
-
-    @property
-    def root(self) -> str:
-        return self.storage.display()
 
     # -- save ----------------------------------------------------------------------------------
     def save(
@@ -270,11 +259,6 @@ class CheckpointManager:
             barrier(self.group)  # every rank's engine files are written before any is hashed
         return _Snapshot(step, target, files, directories, staged, header, rank_checks)
 
-    def _fence(self, what: str) -> None:
-        """Raise LeaseLost unless this job still holds the run's lease."""
-        if self.lease is not None:
-            self.lease.check(what)
-
     def _prepare_target(self, target: str) -> None:
         """Rank 0, before any rank writes: an empty place for this step's files."""
         self._fence(f"preparing {self.storage.display(target)}")
@@ -395,98 +379,7 @@ class CheckpointManager:
         )
         self._retain(keep=final)
 
-    def _rename_into_place(self, tmp: str, final: str) -> None:
-        self._fence(f"renaming {tmp} to {final}")
-        if self.storage.exists(final):
-            # An earlier attempt at this step: uncommitted, corrupt, or left by a run that was
-            # resumed from an older checkpoint. rename cannot replace a non-empty directory,
-            # so move it aside first; the trash is emptied once the new one is in place.
-            self.storage.rename(final, f"{TRASH_PREFIX}{final}-{uuid.uuid4().hex[:8]}")
-        self.storage.rename(tmp, final)
-        self.storage.sync_dir()
-        self._empty_trash()
-
-    def _retain(self, keep: str) -> None:
-        """Delete the oldest committed checkpoints beyond save_total_limit, never the one just
-        written nor the best by the recorded metric. A store error here is logged: the new
-        checkpoint is committed, and the next save tries again."""
-        if not self.save_total_limit:
-            return
-        try:
-            protected = {keep, self.best()}
-            for _, old in self.committed()[self.save_total_limit :]:
-                if old not in protected:
-                    logger.info("deleting %s (save_total_limit %d)", old, self.save_total_limit)
-                    self.delete(old)
-        except LeaseLost as e:  # the checkpoint committed; the loop stops at the next step
-            logger.error("retention: %s", e)
-        except OSError as e:
-            logger.warning("retention: %s; the next save retries", e)
-
-    def best(self) -> str | None:
-        """The committed checkpoint with the best recorded metric (the newest among ties)."""
-        scored = []
-        for _, name in self.committed():
-            metric = read_manifest(self.storage.child(name)).checks.get("metric")
-            if metric is not None:
-                scored.append((metric["value"], name))
-        if not scored:
-            return None
-        pick = max if self.greater_is_better else min
-        return pick(scored, key=lambda item: item[0])[1]
-
-    def delete(self, name: str) -> None:
-        """Remove a checkpoint so that no instant shows it committed with files missing
-        (retried; StorageError when the store keeps failing)."""
-        self._store(f"deleting {self.storage.display(name)}", lambda: self._delete(name))
-
-    def _delete(self, name: str) -> None:
-        self._fence(f"deleting {self.storage.display(name)}")
-        if self.storage.atomic_rename:
-            # Rename first so that a half-deleted directory never looks like a checkpoint.
-            trash = f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
-            self.storage.rename(name, trash)
-            self.storage.sync_dir()
-            self.storage.remove(trash)
-            return
-        # No rename on an object store: the manifest goes first, then the objects.
-        child = self.storage.child(name)
-        child.remove(MANIFEST)
-        self.storage.remove(name)
-
-    def _empty_trash(self) -> None:
-        for name in self.storage.listdir():
-            if name.startswith(TRASH_PREFIX):
-                self.storage.remove(name)
-
     # -- find and load ------------------------------------------------------------------------
-    def clean_leftovers(self) -> None:
-        """Remove what interrupted saves left (rank 0, before any save): temp and trash
-        directories, and on object stores `checkpoint-<step>/` objects without a manifest."""
-        if self.rank == 0:
-            self._store(f"cleaning {self.root}", self._clean_leftovers)
-
-    def _clean_leftovers(self) -> None:
-        self._fence(f"cleaning {self.root}")
-        committed = {name for _, name in list_committed(self.storage)}
-        for folder in ("", CLAIMS):  # a lease file's copy left by a kill mid-write
-            for name in self.storage.listdir(folder):
-                if name.startswith(f".{LEASE}." if not folder else "."):
-                    self.storage.remove(f"{folder}/{name}" if folder else name)
-        for name in self.storage.listdir():
-            leftover = name.startswith((TMP_PREFIX, TRASH_PREFIX)) or (
-                not self.storage.atomic_rename
-                and checkpoint_step(name) is not None
-                and name not in committed
-            )
-            if leftover:
-                logger.info("removing %s left by an interrupted save", self.storage.display(name))
-                self.storage.remove(name)
-
-    def committed(self) -> list[tuple[int, str]]:
-        """Checkpoints whose manifest exists (not verified), newest first."""
-        return self._store(f"listing {self.root}", lambda: list_committed(self.storage))
-
     def resolve(self, resume_from: str) -> tuple[Storage, Manifest] | None:
         """The verified checkpoint to resume (`latest`, `none`, a path or URL); every rank
         gets the same answer. See checkpointing/restore.py."""
@@ -500,10 +393,6 @@ class CheckpointManager:
     def load(self, where: Storage, manifest: Manifest, entries: dict[str, Entry]) -> None:
         """Restore every entry from a verified checkpoint, in the mapping's order."""
         self._restorer.load(where, manifest, entries)
-
-    def _store(self, what: str, fn: Callable[[], T]) -> T:
-        """A store operation of the training thread, retried; StorageError when it fails."""
-        return retrying(what, fn, self.storage.retries)
 
 
 def _write_files(target: Storage, files: list[tuple[str, Any, Any]]) -> dict[str, FileDigest]:
