@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from checkpointing.serialize import Share
+from checkpointing.encoding import Share
 from checkpointing.stateful import Stateful
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.comm import barrier, broadcast_object, gather_objects
+from checkpointing.encoding import encode_views
 from checkpointing.lease import Lease, LeaseLost
 from checkpointing.manifest import (
     MANIFEST,
@@ -41,13 +42,7 @@ from checkpointing.manifest import (
 from checkpointing.restore import Restorer
 from checkpointing.retention import TMP_PREFIX, Housekeeping
 from checkpointing.retry import StorageError, retrying
-from checkpointing.serialize import (
-    FileDigest,
-    encode_views,
-    json_bytes,
-    sync_and_digest,
-    write_encoded,
-)
+from checkpointing.serialize import FileDigest, json_bytes, sync_and_digest, write_encoded
 from checkpointing.staging import BackgroundSave, SaveOutcome, Staging, updated_by_step, wait_for
 from checkpointing.stateful import Entry, rank_name, split_by_size
 from checkpointing.storage import Storage, as_storage

@@ -32,16 +32,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors_bytes
 
+from checkpointing.encoding import _DTYPES, TENSOR, StateFormatError, decode_with
 from checkpointing.manifest import CheckpointCorruptError
 from checkpointing.retry import retrying
-from checkpointing.serialize import (
-    _DTYPES,
-    TENSOR,
-    StateFormatError,
-    _read_checked,
-    decode_with,
-    parse_json,
-)
+from checkpointing.serialize import _read_checked, parse_json
 from checkpointing.stateful import rank_name
 from checkpointing.storage import Storage
 

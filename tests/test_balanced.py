@@ -9,7 +9,8 @@ import torch
 
 from checkpointing.balanced import row_ranges, share
 from checkpointing.digest import FileDigest
-from checkpointing.serialize import Share, save_state
+from checkpointing.encoding import Share
+from checkpointing.serialize import save_state
 from checkpointing.sharded import SavedState
 from checkpointing.stateful import rank_name
 from checkpointing.storage import LocalStorage
