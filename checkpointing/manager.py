@@ -228,7 +228,9 @@ class CheckpointManager(Housekeeping):
             raise error
 
         files, directories, staged = [], [], None
-        step_only = updated_by_step(e.obj for e in entries.values()) if stage else set()
+        # Side-stream copies only for the engine's own model and optimizer (see staging.py).
+        engine_state = [entries[n].obj for n in ("model", "optimizer") if n in entries]
+        step_only = updated_by_step(engine_state) if stage else set()
         for name, entry in entries.items():
             if entry.kind == "directory":
                 # An engine's own save writes local files, a collective: into the temp directory

@@ -8,13 +8,18 @@ At most one save is in flight: the next one waits for it.
 CUDA tensors are copied into pinned host buffers (allocated once, reused by every save) with
 `non_blocking` copies, so the loop does not wait for them at all:
 
-- parameters and optimizer state (`updated_by_step`), which only an optimizer step changes, are
-  copied on a side stream that first waits for the training stream (so it reads this step's
-  values); the training stream waits for those copies right before the next optimizer step (a
-  global optimizer step pre-hook), so forward and backward overlap them;
-- every other CUDA tensor (buffers a forward may change in place, such as running statistics)
-  is copied on the training stream itself, ordered before anything that follows it;
-- the writer thread waits for both (`Staging.ready`) before it reads a byte.
+- the engine's parameters and optimizer state (`updated_by_step` of the `model` and
+  `optimizer` entries), which only an optimizer step changes, are copied on a side stream that
+  first waits for the training stream (so it reads this step's values); the training stream
+  waits for those copies right before the next optimizer step (a global optimizer step
+  pre-hook), so the next forward and backward overlap them;
+- every other CUDA tensor (buffers a forward may change in place, such as running statistics;
+  any other entry's tensors) is copied on the training stream itself, ordered before anything
+  that follows it;
+- the writer thread waits for every copy (`wait_for(enqueued())`) before it reads a byte.
+
+A callback that changes parameters in place outside `optimizer.step()` after a save and before
+the next optimizer step would race with the side-stream copy (README, "Async save").
 """
 
 from __future__ import annotations
