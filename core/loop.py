@@ -28,6 +28,7 @@ from core.data.loader import make_dataloader
 from core.data.sampler import ResumableDistributedSampler
 from core.data.stream import ENDLESS
 from core.engines.base import Engine
+from core.line_writer import LineWriter
 from core.memory import StageMemory, speed_metrics, tiny_gpt_flops
 from core.models.tiny_gpt import TinyGPT
 from core.state import TrainState
@@ -87,6 +88,7 @@ class TrainLoop:
         stop_requested: Callable[[], bool] | None = None,
         evaluator: Callable[[], dict[str, float] | None] | None = None,
         memory: StageMemory | None = None,
+        writer: LineWriter | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -107,6 +109,8 @@ class TrainLoop:
         self.stop_requested = stop_requested
         self.evaluator = evaluator
         self.memory = memory or StageMemory(engine.device)
+        self.writer = writer
+        """The reporters' background line writer: drained before a save and on the way out."""
         self.summary: dict[str, float] = {}
         """Speed, memory and FLOPs of the last train(), also the last line of metrics.jsonl."""
         self.preempted = False
@@ -149,6 +153,8 @@ class TrainLoop:
                 # The final checkpoint (waiting for one in flight), or that wait alone.
                 self._save(final=True, skip=self.checkpointer.last_saved_step == state.global_step)
         except BaseException:
+            if self.writer is not None:
+                self.writer.close(quiet=True)  # the lines before the error, then its messages
             if self.checkpointer is not None:
                 self.checkpointer.close(timeout=EXIT_SAVE_TIMEOUT_S)
             raise
@@ -252,6 +258,7 @@ class TrainLoop:
         save_steps = self.config.checkpoint.save_steps
         due = bool(save_steps) and step % save_steps == 0
         if signalled:
+            self._drain_lines()
             logger.warning("stop requested: checkpointing at step %d", step)
             self.preempted = True
         control.should_training_stop = stop or signalled or control.should_training_stop
@@ -307,12 +314,19 @@ class TrainLoop:
         """Checkpoint now (with async_save, stage and return unless `final`); `skip`: only
         wait for the save in flight. Fires on_save for every save that committed."""
         assert self.checkpointer is not None
+        # The lines of the steps this checkpoint holds are written before it commits: a resume
+        # truncates metrics.jsonl to its step and appends from there.
+        self._drain_lines()
         with self.memory.stage("save"):
             if skip:
                 committed = self.checkpointer.wait()
             else:
                 committed = self.checkpointer.save(final=final)
         self._report_saves(committed)
+
+    def _drain_lines(self) -> None:
+        if self.writer is not None:
+            self.writer.drain()
 
     def _report_saves(self, committed: list[SaveOutcome]) -> None:
         if committed and self._lease_lost():
