@@ -26,6 +26,7 @@ from core.checkpoint import RunCheckpointer
 from core.config import Config
 from core.data.loader import make_dataloader
 from core.data.sampler import ResumableDistributedSampler
+from core.data.store import uniform_length
 from core.data.stream import ENDLESS
 from core.engines.base import Engine
 from core.line_writer import LineWriter
@@ -102,6 +103,9 @@ class TrainLoop:
             if lengths is None or hasattr(lengths, "seq_len")
             else np.asarray(lengths, dtype=np.int64)
         )
+        # Tokens per sample when all samples hold as many (packed data, a token store): a
+        # step's count is then a product, not a sum over its ids in the epoch's order.
+        self._uniform_length = uniform_length(self.lengths)
         self.dist = dist_info
         self.state = state or TrainState()
         self.control = TrainerControl()
@@ -373,7 +377,9 @@ class TrainLoop:
 
         consumed = sum(sizes) * self.dist.world_size
         start = self.sampler.position
-        if self.lengths is not None:
+        if self._uniform_length is not None:
+            state.tokens_seen += min(consumed, len(order) - start) * self._uniform_length
+        elif self.lengths is not None:
             state.tokens_seen += int(self.lengths[order[start : start + consumed]].sum())
         state.samples_seen += consumed
         self.sampler.advance(consumed)
