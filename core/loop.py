@@ -11,7 +11,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,7 @@ from core.data.loader import make_dataloader
 from core.data.sampler import ResumableDistributedSampler
 from core.data.store import uniform_length
 from core.data.stream import ENDLESS
+from core.dist_info import DistInfo
 from core.engines.base import Engine
 from core.line_writer import LineWriter
 from core.memory import StageMemory, speed_metrics, tiny_gpt_flops
@@ -38,26 +38,6 @@ logger = logging.getLogger(__name__)
 
 EXIT_SAVE_TIMEOUT_S = 300.0
 """How long a run that is failing waits for a background save in flight to commit."""
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    """Where this process stands, as plain values (the launcher reads the environment)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    restart_count: int = 0
-    """How many times torchrun restarted the worker group before this process."""
-    job: str | None = None
-    """What stays the same when torchrun restarts the workers of one job (its run id and agent
-    pid); None without torchrun. A restarted worker keeps its job's lease on the run."""
-    job_id: str | None = None
-    """The scheduler's job id (Slurm, Kubernetes pod, torchrun run id), named in the lease."""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def plan_steps(config: Config, sampler: ResumableDistributedSampler) -> tuple[int, int]:
