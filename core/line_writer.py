@@ -36,8 +36,8 @@ class LineWriter:
     `after_batch` callables (a file's flush) run once after each batch instead of per line.
     """
 
-    def __init__(self, interval_s: float = INTERVAL_S) -> None:
-        self.interval_s = interval_s
+    def __init__(self, interval_s: float | None = None) -> None:
+        self.interval_s = INTERVAL_S if interval_s is None else interval_s
         self._pending: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
         # Held while a batch runs: a drain on the step thread waits for the thread's batch, so
         # lines never pass each other.

@@ -223,9 +223,8 @@ def _stamped(created: float) -> Any:
     """logger.info for a line written after the fact: its record carries `created`."""
 
     def info(msg: str, *args: Any) -> None:
-        record = logger.makeRecord(
-            logger.name, logging.INFO, __file__, 0, msg, args, None, "on_log"
-        )
+        fn, lno, func, _ = logger.findCaller(stacklevel=2)  # the line in _report
+        record = logger.makeRecord(logger.name, logging.INFO, fn, lno, msg, args, None, func)
         shift = record.created - created
         record.created = created
         record.msecs = int((created - int(created)) * 1000) + 0.0  # as LogRecord computes it
