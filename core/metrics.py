@@ -29,9 +29,11 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     # A run's closing summary (train_runtime, memory) describes that run alone: drop it too.
+    # A last line without its newline was torn by a kill mid-write: it goes too.
+    lines = path.read_text().split("\n")[:-1]
     kept = [
         line
-        for line in path.read_text().splitlines()
+        for line in lines
         if line.strip()
         and (rec := json.loads(line))["step"] <= last_step
         and "train_runtime" not in rec
@@ -52,6 +54,7 @@ class JsonlMetrics(TrainerCallback):
         self.path = Path(output_dir) / METRICS_FILE
         self._file: Any = None
         self._writer = writer
+        self._lines: list[str] = []  # formatted on the writer's thread, written per batch
 
     def on_train_begin(self, config: Config, state: TrainState, control: TrainerControl) -> None:
         # A fresh run starts a fresh file; a resumed run drops records past its step.
@@ -60,19 +63,26 @@ class JsonlMetrics(TrainerCallback):
         self.close()  # a second train() with this callback: the earlier file is done
         self._file = self.path.open("a")
         if self._writer is not None:
-            self._writer.after_batch(self._file.flush)
+            self._writer.after_batch(self._write_lines)
 
     def on_log(
         self, config: Config, state: TrainState, control: TrainerControl, logs: dict[str, Any]
     ) -> None:
         if self._writer is None:
-            self._write(logs)
+            self._file.write(json.dumps(logs) + "\n")
             self._file.flush()
         else:  # a copy: a later callback may edit `logs`; its values are immutable numbers
-            self._writer.submit(self._write, dict(logs))
+            self._writer.submit(self._format, dict(logs))
 
-    def _write(self, logs: dict[str, Any]) -> None:
-        self._file.write(json.dumps(logs) + "\n")
+    def _format(self, logs: dict[str, Any]) -> None:
+        self._lines.append(json.dumps(logs) + "\n")
+
+    def _write_lines(self) -> None:
+        """A batch's lines in one write: whole lines, so a reader sees no torn line."""
+        if self._lines:
+            self._file.write("".join(self._lines))
+            self._lines.clear()
+            self._file.flush()
 
     def on_train_end(self, config: Config, state: TrainState, control: TrainerControl) -> None:
         self.close()
@@ -84,10 +94,11 @@ class JsonlMetrics(TrainerCallback):
             return
         try:
             if self._writer is not None:
-                self._writer.close(quiet)
+                try:
+                    self._writer.close(quiet)
+                finally:
+                    self._writer.remove_after_batch(self._write_lines)
         finally:
-            if self._writer is not None:
-                self._writer.remove_after_batch(self._file.flush)
             self._file.close()
             self._file = None
 

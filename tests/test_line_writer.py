@@ -16,7 +16,7 @@ from core.callbacks import TrainerCallback, TrainerControl
 from core.config import load_config
 from core.line_writer import LineWriter
 from core.loop import DistInfo
-from core.metrics import Progress
+from core.metrics import JsonlMetrics, Progress, truncate_metrics
 from core.run import build_trainer
 from core.state import TrainState
 from core.trainer import Trainer
@@ -144,3 +144,22 @@ def test_a_line_keeps_the_time_of_its_step(idle_thread, caplog):
     assert record.msecs == int((record.created - int(record.created)) * 1000)
     assert record.filename == "metrics.py" and record.funcName == "_report"
     progress.close()
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    truncate_metrics(path, 5)  # a kill mid-write left step 3 without its newline
+    assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+
+
+def test_metrics_lines_wait_for_the_writer(tmp_path, idle_thread):
+    writer = LineWriter()
+    metrics = JsonlMetrics(tmp_path, writer)
+    metrics.on_train_begin(None, TrainState(), TrainerControl())
+    for step in range(1, 4):
+        metrics.on_log(None, TrainState(), TrainerControl(), {"step": step, "loss": 0.1 * step})
+    assert (tmp_path / "metrics.jsonl").read_text() == ""  # queued
+    writer.drain()
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3]
+    metrics.close()
