@@ -267,6 +267,7 @@ class TrainLoop:
         interrupted the evaluation."""
         if self.evaluator is None:
             raise ValueError("no evaluation dataset: pass eval_dataset or set eval.strategy")
+        self._drain_lines()  # the steps' lines come before what the evaluation logs
         with self.memory.stage("eval"):
             metrics = self.evaluator()
         if metrics is None:
