@@ -11,7 +11,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,8 +25,11 @@ from core.checkpoint import RunCheckpointer
 from core.config import Config
 from core.data.loader import make_dataloader
 from core.data.sampler import ResumableDistributedSampler
+from core.data.store import uniform_length
 from core.data.stream import ENDLESS
+from core.dist_info import DistInfo
 from core.engines.base import Engine
+from core.line_writer import LineWriter
 from core.memory import StageMemory, speed_metrics, tiny_gpt_flops
 from core.models.tiny_gpt import TinyGPT
 from core.state import TrainState
@@ -36,26 +38,6 @@ logger = logging.getLogger(__name__)
 
 EXIT_SAVE_TIMEOUT_S = 300.0
 """How long a run that is failing waits for a background save in flight to commit."""
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    """Where this process stands, as plain values (the launcher reads the environment)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    restart_count: int = 0
-    """How many times torchrun restarted the worker group before this process."""
-    job: str | None = None
-    """What stays the same when torchrun restarts the workers of one job (its run id and agent
-    pid); None without torchrun. A restarted worker keeps its job's lease on the run."""
-    job_id: str | None = None
-    """The scheduler's job id (Slurm, Kubernetes pod, torchrun run id), named in the lease."""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def plan_steps(config: Config, sampler: ResumableDistributedSampler) -> tuple[int, int]:
@@ -87,6 +69,7 @@ class TrainLoop:
         stop_requested: Callable[[], bool] | None = None,
         evaluator: Callable[[], dict[str, float] | None] | None = None,
         memory: StageMemory | None = None,
+        writer: LineWriter | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -100,6 +83,9 @@ class TrainLoop:
             if lengths is None or hasattr(lengths, "seq_len")
             else np.asarray(lengths, dtype=np.int64)
         )
+        # Tokens per sample when all samples hold as many (packed data, a token store): a
+        # step's count is then a product, not a sum over its ids in the epoch's order.
+        self._uniform_length = uniform_length(self.lengths)
         self.dist = dist_info
         self.state = state or TrainState()
         self.control = TrainerControl()
@@ -107,6 +93,8 @@ class TrainLoop:
         self.stop_requested = stop_requested
         self.evaluator = evaluator
         self.memory = memory or StageMemory(engine.device)
+        self.writer = writer
+        """The reporters' background line writer: drained before a save and on the way out."""
         self.summary: dict[str, float] = {}
         """Speed, memory and FLOPs of the last train(), also the last line of metrics.jsonl."""
         self.preempted = False
@@ -149,6 +137,8 @@ class TrainLoop:
                 # The final checkpoint (waiting for one in flight), or that wait alone.
                 self._save(final=True, skip=self.checkpointer.last_saved_step == state.global_step)
         except BaseException:
+            if self.writer is not None:
+                self.writer.close(quiet=True)  # the lines before the error, then its messages
             if self.checkpointer is not None:
                 self.checkpointer.close(timeout=EXIT_SAVE_TIMEOUT_S)
             raise
@@ -252,6 +242,7 @@ class TrainLoop:
         save_steps = self.config.checkpoint.save_steps
         due = bool(save_steps) and step % save_steps == 0
         if signalled:
+            self._drain_lines()
             logger.warning("stop requested: checkpointing at step %d", step)
             self.preempted = True
         control.should_training_stop = stop or signalled or control.should_training_stop
@@ -276,6 +267,7 @@ class TrainLoop:
         interrupted the evaluation."""
         if self.evaluator is None:
             raise ValueError("no evaluation dataset: pass eval_dataset or set eval.strategy")
+        self._drain_lines()  # the steps' lines come before what the evaluation logs
         with self.memory.stage("eval"):
             metrics = self.evaluator()
         if metrics is None:
@@ -307,12 +299,19 @@ class TrainLoop:
         """Checkpoint now (with async_save, stage and return unless `final`); `skip`: only
         wait for the save in flight. Fires on_save for every save that committed."""
         assert self.checkpointer is not None
+        # The lines of the steps this checkpoint holds are written before it commits: a resume
+        # truncates metrics.jsonl to its step and appends from there.
+        self._drain_lines()
         with self.memory.stage("save"):
             if skip:
                 committed = self.checkpointer.wait()
             else:
                 committed = self.checkpointer.save(final=final)
         self._report_saves(committed)
+
+    def _drain_lines(self) -> None:
+        if self.writer is not None:
+            self.writer.drain()
 
     def _report_saves(self, committed: list[SaveOutcome]) -> None:
         if committed and self._lease_lost():
@@ -359,7 +358,9 @@ class TrainLoop:
 
         consumed = sum(sizes) * self.dist.world_size
         start = self.sampler.position
-        if self.lengths is not None:
+        if self._uniform_length is not None:
+            state.tokens_seen += min(consumed, len(order) - start) * self._uniform_length
+        elif self.lengths is not None:
             state.tokens_seen += int(self.lengths[order[start : start + consumed]].sum())
         state.samples_seen += consumed
         self.sampler.advance(consumed)

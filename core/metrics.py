@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from core.callbacks import TrainerCallback, TrainerControl
 from core.config import Config
+from core.line_writer import LineWriter
 from core.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -27,9 +29,11 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     # A run's closing summary (train_runtime, memory) describes that run alone: drop it too.
+    # A last line without its newline was torn by a kill mid-write: it goes too.
+    lines = path.read_text().split("\n")[:-1]
     kept = [
         line
-        for line in path.read_text().splitlines()
+        for line in lines
         if line.strip()
         and (rec := json.loads(line))["step"] <= last_step
         and "train_runtime" not in rec
@@ -43,29 +47,58 @@ class JsonlMetrics(TrainerCallback):
     """Appends one JSON object per logged optimizer step to <output_dir>/metrics.jsonl.
 
     Floats are written by json (shortest repr that round-trips), so losses compare exactly.
+    With a `writer`, lines are formatted and written on its thread, flushed once per batch.
     """
 
-    def __init__(self, output_dir: str | Path) -> None:
+    def __init__(self, output_dir: str | Path, writer: LineWriter | None = None) -> None:
         self.path = Path(output_dir) / METRICS_FILE
         self._file: Any = None
+        self._writer = writer
+        self._lines: list[str] = []  # formatted on the writer's thread, written per batch
 
     def on_train_begin(self, config: Config, state: TrainState, control: TrainerControl) -> None:
         # A fresh run starts a fresh file; a resumed run drops records past its step.
         self.path.parent.mkdir(parents=True, exist_ok=True)
         truncate_metrics(self.path, state.global_step)
+        self.close()  # a second train() with this callback: the earlier file is done
         self._file = self.path.open("a")
+        if self._writer is not None:
+            self._writer.after_batch(self._write_lines)
 
     def on_log(
         self, config: Config, state: TrainState, control: TrainerControl, logs: dict[str, Any]
     ) -> None:
-        self._file.write(json.dumps(logs) + "\n")
-        self._file.flush()
+        if self._writer is None:
+            self._file.write(json.dumps(logs) + "\n")
+            self._file.flush()
+        else:  # a copy: a later callback may edit `logs`; its values are immutable numbers
+            self._writer.submit(self._format, dict(logs))
+
+    def _format(self, logs: dict[str, Any]) -> None:
+        self._lines.append(json.dumps(logs) + "\n")
+
+    def _write_lines(self) -> None:
+        """A batch's lines in one write: whole lines, so a reader sees no torn line."""
+        if self._lines:
+            self._file.write("".join(self._lines))
+            self._lines.clear()
+            self._file.flush()
 
     def on_train_end(self, config: Config, state: TrainState, control: TrainerControl) -> None:
         self.close()
 
-    def close(self) -> None:
-        if self._file is not None:
+    def close(self, quiet: bool = False) -> None:
+        """Write what is queued, then close the file (idempotent). `quiet`: see
+        LineWriter.close."""
+        if self._file is None:
+            return
+        try:
+            if self._writer is not None:
+                try:
+                    self._writer.close(quiet)
+                finally:
+                    self._writer.remove_after_batch(self._write_lines)
+        finally:
             self._file.close()
             self._file = None
 
@@ -114,11 +147,15 @@ class Progress(TrainerCallback):
     """A tqdm bar on a terminal (or when forced), plain log lines at each log step otherwise.
 
     While the bar is up, log records go through `tqdm.write` (logging_redirect_tqdm), so they
-    print above the bar instead of through it.
+    print above the bar instead of through it. Without the bar and with a `writer`, the lines
+    are formatted and logged on the writer's thread, stamped with the time of the step.
     """
 
-    def __init__(self, total_steps: int, mode: str = "auto") -> None:
+    def __init__(
+        self, total_steps: int, mode: str = "auto", writer: LineWriter | None = None
+    ) -> None:
         self.total_steps = total_steps
+        self._writer = writer
         self.use_bar = mode == "always" or (mode == "auto" and sys.stderr.isatty())
         self._bar: tqdm | None = None
         self._speed = Throughput(total_steps)
@@ -139,8 +176,17 @@ class Progress(TrainerCallback):
     def on_log(
         self, config: Config, state: TrainState, control: TrainerControl, logs: dict[str, Any]
     ) -> None:
+        if self._bar is not None or self._writer is None:
+            self._report(logs)
+        elif logger.isEnabledFor(logging.INFO):
+            self._writer.submit(self._report, dict(logs), time.time())
+
+    def _report(self, logs: dict[str, Any], created: float | None = None) -> None:
+        """The record's line (or the bar's postfix); `created`: the time the line is stamped
+        with, when it is written later."""
+        info = logger.info if created is None else _stamped(created)
         if "train_runtime" in logs:  # the closing summary
-            logger.info(
+            info(
                 "trained %d steps in %.1f s (%.2f steps/s)",
                 logs["step"],
                 logs["train_runtime"],
@@ -148,7 +194,7 @@ class Progress(TrainerCallback):
             )
         elif "loss" not in logs:  # an evaluation record
             evals = " ".join(f"{k} {v:.4g}" for k, v in logs.items() if k.startswith("eval_"))
-            logger.info("step %d/%d %s", logs["step"], self.total_steps, evals)
+            info("step %d/%d %s", logs["step"], self.total_steps, evals)
         else:
             speed = self._speed.update(logs)
             rate = speed.samples_per_second
@@ -158,7 +204,7 @@ class Progress(TrainerCallback):
                     postfix["samples/s"] = f"{rate:.1f}"
                 self._bar.set_postfix(postfix, refresh=False)
                 return
-            logger.info(
+            info(
                 "step %d/%d loss %.4f lr %.3e epoch %.2f %.3f s/step %s samples/s ETA %s",
                 logs["step"],
                 self.total_steps,
@@ -173,9 +219,27 @@ class Progress(TrainerCallback):
     def on_train_end(self, config: Config, state: TrainState, control: TrainerControl) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Close the bar and give the console back to the log handlers (idempotent)."""
+    def close(self, quiet: bool = False) -> None:
+        """Write the queued lines, close the bar and give the console back to the log handlers
+        (idempotent). `quiet`: see LineWriter.close."""
+        if self._writer is not None:
+            self._writer.close(quiet)
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         self._redirect.close()
+
+
+def _stamped(created: float) -> Any:
+    """logger.info for a line written after the fact: its record carries `created`."""
+
+    def info(msg: str, *args: Any) -> None:
+        fn, lno, func, _ = logger.findCaller(stacklevel=2)  # the line in _report
+        record = logger.makeRecord(logger.name, logging.INFO, fn, lno, msg, args, None, func)
+        shift = record.created - created
+        record.created = created
+        record.msecs = int((created - int(created)) * 1000) + 0.0  # as LogRecord computes it
+        record.relativeCreated -= shift * 1000
+        logger.handle(record)
+
+    return info

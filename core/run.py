@@ -41,6 +41,7 @@ from core.elastic import fit_world_size, sizing
 from core.engines.base import Engine
 from core.engines.ddp import DDPEngine
 from core.evaluation import evaluate
+from core.line_writer import LineWriter
 from core.loop import DistInfo, TrainLoop, plan_steps
 from core.losses import LabelSmoother, compute_loss
 from core.memory import StageMemory
@@ -401,9 +402,11 @@ def build_trainer(
     )
     checkpointer.sized_for = sizing(peeked)
     reporters: list[TrainerCallback] = []
+    writer = None
     if dist_info.is_main:
+        writer = LineWriter()
         reporters = build_reporters(
-            config, total_steps, dist_info.world_size, dist_info.restart_count
+            config, total_steps, dist_info.world_size, dist_info.restart_count, writer
         )
     return TrainLoop(
         config,
@@ -419,4 +422,5 @@ def build_trainer(
         stop_requested=stop_requested,
         evaluator=evaluator,
         memory=memory,
+        writer=writer,
     )

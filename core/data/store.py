@@ -277,6 +277,17 @@ class UniformLengths:
         return np.full(np.shape(ids), self.seq_len, dtype=np.int64)
 
 
+def uniform_length(lengths: np.ndarray | UniformLengths | None) -> int | None:
+    """The one token count all samples share, if they share one (None without lengths)."""
+    if lengths is None:
+        return None
+    if isinstance(lengths, UniformLengths):
+        return lengths.seq_len
+    if len(lengths) and lengths.min() == lengths.max():
+        return int(lengths[0])
+    return None
+
+
 class TokenStore(Dataset):
     """A map-style dataset over a token store: item i is {"input_ids": block i} (an ndarray of
     seq_len ids in the store's dtype). Local stores are memory-mapped; others are read in
