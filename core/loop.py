@@ -29,9 +29,9 @@ from core.data.store import uniform_length
 from core.data.stream import ENDLESS
 from core.dist_info import DistInfo
 from core.engines.base import Engine
-from core.line_writer import LineWriter
-from core.memory import StageMemory, speed_metrics, tiny_gpt_flops
 from core.models.tiny_gpt import TinyGPT
+from core.reporting.line_writer import LineWriter
+from core.reporting.memory import StageMemory, speed_metrics, tiny_gpt_flops
 from core.state import TrainState
 
 logger = logging.getLogger(__name__)

@@ -41,14 +41,14 @@ from core.elastic import fit_world_size, sizing
 from core.engines.base import Engine
 from core.engines.ddp import DDPEngine
 from core.evaluation import evaluate
-from core.line_writer import LineWriter
 from core.loop import DistInfo, TrainLoop, plan_steps
 from core.losses import LabelSmoother, compute_loss
-from core.memory import StageMemory
 from core.models import build_model, call_model, embedding_rows
 from core.models.hf import HFSource, export_files, resolve_hf
 from core.optim import build_optimizer, parameter_groups
-from core.reporting import build_reporters
+from core.reporting.line_writer import LineWriter
+from core.reporting.memory import StageMemory
+from core.reporting.reporters import build_reporters
 from core.schedules import Schedule, build_schedule
 from core.seeding import enable_full_determinism, set_seed
 from core.state import TrainState

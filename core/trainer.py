@@ -33,8 +33,8 @@ from core.callbacks import TrainerCallback
 from core.config import Config, dump_config, load_config
 from core.elastic import sizing
 from core.loop import DistInfo, TrainLoop
-from core.memory import StageMemory
-from core.reporting import finish_attempt
+from core.reporting.memory import StageMemory
+from core.reporting.reporters import finish_attempt
 from core.run import UserParts, build_trainer, open_checkpoint_storage
 from core.state import TrainState
 

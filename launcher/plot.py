@@ -14,8 +14,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from core.history import AttemptStart, CheckpointCommit, read_history, read_jsonl
-from core.metrics import METRICS_FILE
+from core.reporting.history import AttemptStart, CheckpointCommit, read_history, read_jsonl
+from core.reporting.metrics import METRICS_FILE
 from launcher.status import ReportError
 
 

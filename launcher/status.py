@@ -18,8 +18,8 @@ from checkpointing.lease import LeaseError, read_lease
 from checkpointing.manifest import CheckpointError, list_committed, read_manifest
 from checkpointing.redact import REDACTED
 from checkpointing.storage import Storage, open_storage
-from core.history import AttemptEnd, AttemptStart, read_history, read_jsonl
-from core.metrics import METRICS_FILE, Throughput, format_eta
+from core.reporting.history import AttemptEnd, AttemptStart, read_history, read_jsonl
+from core.reporting.metrics import METRICS_FILE, Throughput, format_eta
 
 
 class ReportError(Exception):

@@ -18,7 +18,7 @@ from core.callbacks import (
     TrainerControl,
 )
 from core.config import load_config
-from core.memory import StageMemory, speed_metrics, tiny_gpt_flops
+from core.reporting.memory import StageMemory, speed_metrics, tiny_gpt_flops
 from core.state import TrainState
 
 HF_EVENTS = {

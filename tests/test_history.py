@@ -11,7 +11,8 @@ import torch
 
 from core.callbacks import TrainerCallback, TrainerControl
 from core.config import ConfigError, load_config
-from core.history import (
+from core.loop import DistInfo
+from core.reporting.history import (
     HISTORY_FILE,
     AttemptEnd,
     AttemptStart,
@@ -20,7 +21,6 @@ from core.history import (
     read_history,
     resume_cause,
 )
-from core.loop import DistInfo
 from core.run import build_trainer
 from core.state import TrainState
 from core.trainer import Trainer

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from checkpointing.manifest import list_checkpoints, verify
-from core.history import AttemptStart, read_history
+from core.reporting.history import AttemptStart, read_history
 from tests.checkpoints import assert_same_checkpoint, assert_same_losses
 from tests.launch import (
     kill_tree,

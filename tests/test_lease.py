@@ -41,7 +41,7 @@ from checkpointing.lease import (
 from checkpointing.manager import CheckpointManager, Entry
 from checkpointing.manifest import list_committed, read_manifest
 from checkpointing.storage import FsspecStorage, Storage, open_storage
-from core.history import AttemptEnd, AttemptStart, read_history
+from core.reporting.history import AttemptEnd, AttemptStart, read_history
 from launcher import exit_codes
 from launcher.status import format_status, run_status
 from tests.checkpoints import Weights, assert_same_checkpoint, memory_url

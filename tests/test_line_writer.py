@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-import core.line_writer
+import core.reporting.line_writer
 from core.callbacks import TrainerCallback, TrainerControl
 from core.config import load_config
-from core.line_writer import LineWriter
 from core.loop import DistInfo
-from core.metrics import JsonlMetrics, Progress, truncate_metrics
+from core.reporting.line_writer import LineWriter
+from core.reporting.metrics import JsonlMetrics, Progress, truncate_metrics
 from core.run import build_trainer
 from core.state import TrainState
 from core.trainer import Trainer
@@ -25,7 +25,7 @@ from tests.launch import SMALL, read_metrics
 
 @pytest.fixture
 def idle_thread(monkeypatch):
-    monkeypatch.setattr(core.line_writer, "INTERVAL_S", 3600.0)
+    monkeypatch.setattr(core.reporting.line_writer, "INTERVAL_S", 3600.0)
 
 
 def config_for(tmp_path, *overrides):
@@ -105,7 +105,7 @@ def test_lines_are_on_disk_after_a_crash(tmp_path, idle_thread, caplog):
     with caplog.at_level(logging.INFO), pytest.raises(RuntimeError, match="boom"):
         Trainer(args=config_for(tmp_path), callbacks=[FailAt()]).train()
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
-    lines = [r.getMessage() for r in caplog.records if r.name == "core.metrics"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "core.reporting.metrics"]
     assert [line.split()[1] for line in lines] == [f"{k}/8" for k in range(1, 6)]
     assert not any(t.name == "line-writer" for t in threading.enumerate())
 

@@ -16,7 +16,7 @@ from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from checkpointing.manifest import list_checkpoints, read_manifest
-from core.history import AttemptEnd, AttemptStart, CheckpointCommit, read_history
+from core.reporting.history import AttemptEnd, AttemptStart, CheckpointCommit, read_history
 from launcher.status import format_status, run_status
 from tests.launch import (
     REPO,

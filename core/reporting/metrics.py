@@ -16,7 +16,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from core.callbacks import TrainerCallback, TrainerControl
 from core.config import Config
-from core.line_writer import LineWriter
+from core.reporting.line_writer import LineWriter
 from core.state import TrainState
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from typing import Any
 
 from core.callbacks import TrainerCallback, TrainerControl
 from core.config import Config
-from core.metrics import Throughput
+from core.reporting.metrics import Throughput
 from core.state import TrainState
 
 TENSORBOARD_DIR = "tensorboard"

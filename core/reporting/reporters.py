@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from core.callbacks import CallbackHandler, TrainerCallback
 from core.config import Config
-from core.history import RunHistory
-from core.line_writer import LineWriter
-from core.metrics import JsonlMetrics, Progress
-from core.tensorboard import TensorBoardReporter
+from core.reporting.history import RunHistory
+from core.reporting.line_writer import LineWriter
+from core.reporting.metrics import JsonlMetrics, Progress
+from core.reporting.tensorboard import TensorBoardReporter
 
 
 def build_reporters(
