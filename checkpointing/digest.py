@@ -76,7 +76,7 @@ def digest_file(path: str | os.PathLike, algorithm: str = ALGORITHM) -> tuple[in
     threads and 0.27-0.45 s for a plain read (bench/checkpoint_save.py, load_throughput). The
     safetensors reader maps the same files afterwards, so this adds no exposure a load does not
     already have (a file truncated under a mapping faults the process in both)."""
-    if algorithm == "blake3" and hasattr(blake3.blake3, "update_mmap"):
+    if algorithm == "blake3":  # update_mmap: blake3 0.4, the oldest pyproject.toml allows
         h = hasher(algorithm)
         h.update_mmap(os.fspath(path))
         return os.stat(path).st_size, h.hexdigest()
