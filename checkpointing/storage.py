@@ -22,56 +22,19 @@ import shutil
 import threading
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from checkpointing.digest import FileDigest, hasher
+from checkpointing.digest import FileDigest
 from checkpointing.redact import display_url
+from checkpointing.writers import DirectFile, HashingWriter
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # Object-store parts: large enough that per-request overhead vanishes.
 _BLOCK = 64 << 20
-
-
-# --------------------------------------------------------------------------- writers
-
-
-class HashingWriter:
-    """Writes buffers to an open file while a worker thread hashes the same buffers (BLAKE3
-    and raw writes release the GIL), so a file is never read back to learn its digest."""
-
-    def __init__(self, f: Any) -> None:
-        self._f = f
-        self._hash = hasher()
-        self._size = 0
-        self._pool = ThreadPoolExecutor(1, "checkpoint-hash")
-        self._pending: list[Future] = []
-
-    def write(self, data: bytes | memoryview) -> None:
-        view = memoryview(data)
-        self._pending.append(self._pool.submit(self._hash.update, view))
-        self._size += view.nbytes
-        while view:  # a raw write may be partial
-            n = self._f.write(view)
-            view = view[n if n is not None else len(view) :]
-
-    def drain(self) -> None:
-        """Wait until the hasher has caught up (so the caller may free what it wrote)."""
-        for fut in self._pending:
-            fut.result()
-        self._pending.clear()
-
-    def digest(self) -> FileDigest:
-        self.drain()
-        self._pool.shutdown()
-        return FileDigest(self._size, self._hash.hexdigest())
-
-    def abandon(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------- storages
@@ -203,10 +166,11 @@ class LocalStorage(Storage):
     def writer(self, rel: str) -> Iterator[HashingWriter]:
         path = self._p(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb", buffering=0) as f:
+        with DirectFile(path) as f:  # past the page cache where the filesystem allows
             w = HashingWriter(f)
             try:
                 yield w
+                f.finish()
                 os.fsync(f.fileno())  # the hasher catches up meanwhile
             except BaseException:
                 w.abandon()
