@@ -3,15 +3,16 @@
 `HashingWriter` writes buffers to a file object while a worker thread hashes the same buffers
 (BLAKE3 and raw writes release the GIL), so a file is never read back to learn its digest.
 
-`DirectFile` is the file object of a new local file. Its bytes are gathered in a page-aligned
-buffer and written with O_DIRECT, straight from that buffer to the device, skipping the kernel's
-copy into the page cache and its writeback: a buffered write plus fsync of a 683 MB checkpoint
-took 0.17-1.7 s of system CPU on this project's 2-core CI machine, the same bytes through
-O_DIRECT 0.03-0.05 s plus 0.05 s for our copy into the aligned buffer. That CPU is what an
-asynchronous save takes from the training step beside it. Python's file objects offer no
-aligned writes, hence this class. Where O_DIRECT is refused (tmpfs, some network or FUSE
-filesystems, a device with blocks over 4 KiB, not Linux) the same file is written buffered
-from then on; every file is fsynced by its caller either way.
+`DirectFile` is the file object of a new local file. Its bytes are gathered in page-aligned
+buffers and written with O_DIRECT, straight from them to the device, skipping the kernel's copy
+into the page cache and its writeback. Writing 683 MB and fsyncing it on this project's 2-core
+CI machine took 0.17-1.66 s of CPU buffered (the spread is the page cache's reclaim and
+writeback) and 0.07-0.11 s through O_DIRECT, our copy into the aligned buffers included. That
+CPU is what an asynchronous save takes from the training step beside it, and a checkpoint
+written buffered also evicts the page cache's other pages (the training data's). Python's file
+objects offer no aligned writes, hence this class. Where O_DIRECT is refused (tmpfs on older
+kernels, some network or FUSE filesystems, a device with blocks over 4 KiB, not Linux) the
+same file is written buffered from then on; every file is fsynced by its caller either way.
 """
 
 from __future__ import annotations
