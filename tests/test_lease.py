@@ -317,16 +317,12 @@ def assert_one_run(run_dir: Path) -> None:
     assert not open_attempt and records[-1].reason == "done", records
 
 
-@pytest.mark.parametrize("nproc", [None, 2], ids=["1-worker", "2-workers"])
-def test_two_launches_into_one_run_train_it_once(tmp_path, references, nproc):
-    """Both launches start while the run is held elsewhere, so that they race for it on any
-    machine (started one after the other, the first may finish its 24 steps before the second
-    has imported torch); once it is let go, one trains the whole run while the other waits,
-    then finds it finished."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+def race_once_let_go(run_dir: Path, nprocs: list[int | None]) -> list[str]:
+    """Launch a job of each worker count in `nprocs` into `run_dir` while this process holds
+    its lease, wait until every one is waiting for it, let go; the jobs' outputs, once all
+    have exited 0."""
     held = acquire(open_storage(run_dir), other_holder(), 0, timeout_s=60, wait_s=0)
-    jobs = [start(run_dir, nproc, *ARGS, "--run.lease_wait_s", "240") for _ in range(2)]
+    jobs = [start(run_dir, n, *ARGS, "--run.lease_wait_s", "240") for n in nprocs]
     outputs = [Output(p) for p in jobs]
     try:
         assert wait_for(lambda: all(o.count("waiting up to") for o in outputs), jobs[0], 120)
@@ -336,6 +332,18 @@ def test_two_launches_into_one_run_train_it_once(tmp_path, references, nproc):
         p.wait(timeout=300)
     texts = [o.text() for o in outputs]
     assert [p.returncode for p in jobs] == [0, 0], texts
+    return texts
+
+
+@pytest.mark.parametrize("nproc", [None, 2], ids=["1-worker", "2-workers"])
+def test_two_launches_into_one_run_train_it_once(tmp_path, references, nproc):
+    """Both launches start while the run is held elsewhere, so that they race for it on any
+    machine (started one after the other, the first may finish its 24 steps before the second
+    has imported torch); once it is let go, one trains the whole run while the other waits,
+    then finds it finished."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    race_once_let_go(run_dir, [nproc, nproc])
     assert_same_checkpoint(last_checkpoint(run_dir), last_checkpoint(references(nproc)))
     assert_one_run(run_dir)
     starts = [r for r in read_history(run_dir) if isinstance(r, AttemptStart)]
@@ -350,17 +358,7 @@ def test_jobs_of_other_worker_counts_waiting_on_one_run_resume_what_the_holder_l
     """Both built on an empty run, then waited; the one that gets the run second finds a
     checkpoint of another number of ranks and is built again for it."""
     run_dir = tmp_path / "run"
-    held = acquire(open_storage(run_dir), other_holder(), 0, timeout_s=60, wait_s=0)
-    jobs = [start(run_dir, n, *ARGS, "--run.lease_wait_s", "240") for n in (None, 2)]
-    outputs = [Output(p) for p in jobs]
-    try:
-        assert wait_for(lambda: all(o.count("waiting up to") for o in outputs), jobs[0], 120)
-    finally:
-        held.release()
-    for p in jobs:
-        p.wait(timeout=300)
-    texts = [o.text() for o in outputs]
-    assert [p.returncode for p in jobs] == [0, 0], texts
+    texts = race_once_let_go(run_dir, [None, 2])
     second = [i for i, t in enumerate(texts) if "building it again" in t]
     assert len(second) == 1, texts
     winner = (None, 2)[1 - second[0]]
