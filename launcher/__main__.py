@@ -15,6 +15,7 @@ if __name__ == "__main__":
         from launcher.prepare import main as prepare_main
 
         sys.exit(prepare_main(sys.argv[2:]))
+    from launcher.dist import exit_worker
     from launcher.main import main
 
-    sys.exit(main())
+    exit_worker(main())

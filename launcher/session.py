@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,6 +53,4 @@ def session(
         clean = True
     finally:
         stop.uninstall()
-        # Whatever held the process group (a DDP wrapper) must be gone before it is destroyed.
-        gc.collect()
         destroy_distributed(clean=clean)
