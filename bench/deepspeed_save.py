@@ -54,6 +54,17 @@ def relaunch(args: argparse.Namespace) -> int:
 
 
 def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from launcher.dist import destroy_distributed, exit_worker
+
+    dist.init_process_group("gloo")
+    measure(args)  # returns holding nothing: the groups are destroyed here, not at exit
+    destroy_distributed(clean=True)
+    exit_worker(0)
+
+
+def measure(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
@@ -64,7 +75,6 @@ def worker(args: argparse.Namespace) -> None:
     from core.optim import parameter_groups
     from core.schedules import build_schedule
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     ds = f"{{zero_optimization: {{stage: {args.stage}}}}}"
     config = load_config(
@@ -159,7 +169,6 @@ def worker(args: argparse.Namespace) -> None:
         )
         if args.dir is None:
             shutil.rmtree(root)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

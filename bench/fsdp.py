@@ -51,6 +51,17 @@ def peak_rss_mb() -> float:
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
+    from launcher.dist import destroy_distributed, exit_worker
+
+    dist.init_process_group("gloo")
+    measure(args)  # returns holding nothing: the groups are destroyed here, not at exit
+    destroy_distributed(clean=True)
+    exit_worker(0)
+
+
+def measure(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
     from checkpointing.comm import control_group
     from checkpointing.manager import CheckpointManager, Entry
     from core.config import OptimConfig
@@ -60,7 +71,6 @@ def worker(args: argparse.Namespace) -> None:
     from core.optim import build_optimizer
     from core.schedules import build_schedule
 
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = TinyGPT(n_layer=args.n_layer, n_head=8, n_embd=args.n_embd, block_size=64, dropout=0)
@@ -177,8 +187,6 @@ def worker(args: argparse.Namespace) -> None:
             config=config,
             plain_mb_per_s=plain_mb,
         )
-    dist.barrier(group)
-    dist.destroy_process_group()
 
 
 def vs_ddp(args: argparse.Namespace) -> None:

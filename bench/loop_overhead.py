@@ -139,8 +139,10 @@ def raw_loop(config_path: str, steps: int, out: Path) -> None:
     if rank == 0:
         out.write_text(json.dumps({"losses": losses, "step_time_s": times}))
     if world > 1:
-        dist.barrier()  # no rank tears its connections down while a peer still uses them
-        dist.destroy_process_group()
+        from launcher.dist import destroy_distributed
+
+        del net, loss  # the DDP wrapper holds the group
+        destroy_distributed(clean=True)
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -278,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.raw:
+        from launcher.dist import exit_worker  # before the loop creates its group (see there)
+
         raw_loop(args.config, args.steps, args.out)
-        return 0
+        exit_worker(0)
     if args.null:
         return null_overhead(args)
 

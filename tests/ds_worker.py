@@ -11,7 +11,7 @@ import sys
 
 from core.config import load_config
 from core.trainer import Trainer
-from launcher.dist import env_rank
+from launcher.dist import env_rank, exit_worker
 from launcher.logs import setup_logging
 from launcher.main import parse_args
 from launcher.session import session
@@ -30,4 +30,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_worker(main(sys.argv[1:]))  # as launcher/__main__.py ends

@@ -19,6 +19,7 @@ from checkpointing.comm import any_rank, reset_control_group
 from core.data import collate
 from core.evaluation import EvalPrediction, evaluate
 from core.models.tiny_gpt import TinyGPT
+from launcher.dist import exit_worker
 
 NUM_SAMPLES = 21  # odd: two ranks get 11 and 10 samples
 
@@ -94,3 +95,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_worker(0)

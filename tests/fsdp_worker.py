@@ -35,6 +35,7 @@ from core.engines.named_state import param_names, to_names
 from core.models.tiny_gpt import TinyGPT
 from core.optim import build_optimizer
 from core.schedules import build_schedule
+from launcher.dist import destroy_distributed, exit_worker
 
 DEVICE = torch.device("cpu")
 OPTIM = OptimConfig(name="adamw_torch", lr=1e-2, weight_decay=0.1)
@@ -81,15 +82,7 @@ def dump(eng, name: str, out: Path) -> None:
     Path(f"{out}.json").write_text(json.dumps(optim["param_groups"], sort_keys=True))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("engine", choices=["ddp", "fsdp"])
-    p.add_argument("--train", action="store_true")
-    p.add_argument("--load")
-    p.add_argument("--save")
-    p.add_argument("--dump", required=True)
-    args = p.parse_args()
-    dist.init_process_group("gloo")  # torchrun's environment
+def run(args: argparse.Namespace) -> None:
     eng = engine(args.engine, seed=0 if args.train else 1)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.train:
@@ -104,9 +97,21 @@ def main() -> None:
         )
         manager.save(7, entries, {}, "test", checks={}, rank_checks={})
     dump(eng, args.engine, Path(args.dump))
-    dist.barrier()
-    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("engine", choices=["ddp", "fsdp"])
+    p.add_argument("--train", action="store_true")
+    p.add_argument("--load")
+    p.add_argument("--save")
+    p.add_argument("--dump", required=True)
+    args = p.parse_args()
+    dist.init_process_group("gloo")  # torchrun's environment
+    run(args)  # returns holding nothing: the teardown below destroys the groups themselves
+    destroy_distributed(clean=True)
 
 
 if __name__ == "__main__":
     main()
+    exit_worker(0)
