@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 FIGURE_KEYS = ("name", "value", "unit", "ratio_to", "ratio", "config")
 
@@ -40,6 +40,20 @@ def figure(
         **detail,
     }
     print(json.dumps(line), flush=True)
+
+
+def gloo_worker(measure: Callable[[], None]) -> NoReturn:
+    """A torchrun worker's whole life: a gloo group from torchrun's environment, `measure()`
+    (which returns holding nothing, so the groups are destroyed at the teardown, not at
+    exit), then the launcher's own teardown and exit."""
+    import torch.distributed as dist
+
+    from launcher.dist import destroy_distributed, exit_worker
+
+    dist.init_process_group("gloo")
+    measure()
+    destroy_distributed(clean=True)
+    exit_worker(0)
 
 
 def detail(name: str, **fields: Any) -> None:

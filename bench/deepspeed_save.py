@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.checkpoint_save import add_model_args  # noqa: E402
-from bench.common import detail, figure  # noqa: E402
+from bench.common import detail, figure, gloo_worker  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -51,17 +51,6 @@ def relaunch(args: argparse.Namespace) -> int:
         *sys.argv[1:],
     ]
     return subprocess.call(cmd, env=env)
-
-
-def worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
-    from launcher.dist import destroy_distributed, exit_worker
-
-    dist.init_process_group("gloo")
-    measure(args)  # returns holding nothing: the groups are destroyed here, not at exit
-    destroy_distributed(clean=True)
-    exit_worker(0)
 
 
 def measure(args: argparse.Namespace) -> None:
@@ -175,4 +164,4 @@ if __name__ == "__main__":
     ns = parse()
     if "RANK" not in os.environ:
         sys.exit(relaunch(ns))
-    worker(ns)
+    gloo_worker(lambda: measure(ns))

@@ -38,7 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.common import alternating, detail, figure  # noqa: E402
+from bench.common import alternating, detail, figure, gloo_worker  # noqa: E402
 from bench.loop_overhead import child_env, run_side, steady_rates  # noqa: E402
 
 NPROC = 2
@@ -46,17 +46,6 @@ NPROC = 2
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
-    from launcher.dist import destroy_distributed, exit_worker
-
-    dist.init_process_group("gloo")
-    measure(args)  # returns holding nothing: the groups are destroyed here, not at exit
-    destroy_distributed(clean=True)
-    exit_worker(0)
 
 
 def measure(args: argparse.Namespace) -> None:
@@ -222,8 +211,7 @@ def main() -> None:
     p.add_argument("--engine", default="fsdp", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args)
-        return
+        gloo_worker(lambda: measure(args))
     vs_ddp(args)
     torchrun = str(Path(sys.executable).parent / "torchrun")
     cmd = [torchrun, "--standalone", f"--nproc-per-node={NPROC}", __file__, "--worker"]

@@ -29,7 +29,7 @@ from core.config import EngineConfig
 from core.loop import DistInfo
 
 logger = logging.getLogger(__name__)
-_HAD_GROUP = False  # whether this process had a process group (exit_worker)
+_HAD_GROUP = False  # whether destroy_distributed tore a group down (exit_worker)
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,6 @@ def init_distributed(cfg: EngineConfig, timeout_s: float = 1800.0) -> DistContex
     if "WORLD_SIZE" in os.environ:
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
         timeout = datetime.timedelta(seconds=timeout_s)
-        global _HAD_GROUP
-        _HAD_GROUP = True
         dist.init_process_group(
             backend=backend,
             store=_attempt_store(rank, world_size, timeout),
@@ -147,7 +145,6 @@ def destroy_distributed(clean: bool) -> None:
         alive = sum(ref() is not None for ref in groups)
         if alive:
             logger.debug("%d process group(s) still referenced after the teardown", alive)
-    reset_control_group()
 
 
 def exit_worker(code: int) -> NoReturn:
