@@ -27,6 +27,7 @@ import torch.distributed.nn.functional
 from checkpointing.comm import reset_control_group
 from core.config import EngineConfig
 from core.loop import DistInfo
+from launcher.agent import record_exit
 
 logger = logging.getLogger(__name__)
 _HAD_GROUP = False  # whether destroy_distributed tore a group down (exit_worker)
@@ -159,7 +160,10 @@ def exit_worker(code: int) -> NoReturn:
     aborts ("terminate called without an active exception", SIGABRT) after a run that
     succeeded: 3 of 64 two-rank exits of tests/fsdp_worker.py on a loaded 2-core machine. Past
     this point nothing is left to run but that teardown (every checkpoint is fsynced and
-    committed before training returns), so it is skipped."""
+    committed before training returns), so it is skipped.
+
+    Under `python -m launcher.agent` the code is first recorded for the agent (launcher/agent.py)."""
+    record_exit(code)
     if not (_HAD_GROUP or dist.is_initialized()):
         sys.exit(code)
     main = threading.main_thread()
