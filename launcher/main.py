@@ -16,6 +16,7 @@ from core.trainer import Trainer
 from launcher import exit_codes
 from launcher.dist import env_rank
 from launcher.logs import setup_logging
+from launcher.preflight import check_writable
 from launcher.session import Session, session
 
 logger = logging.getLogger("launcher")
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config_path, overrides = parse_args(argv)
         config = load_config(config_path, overrides)
+        check_writable(config)  # before anything is built: a permission is not a store outage
     except ConfigError as e:
         if rank == 0:
             logger.error("%s", e)
