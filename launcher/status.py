@@ -57,9 +57,14 @@ class RunStatus:
     samples_per_second: float | None = None
     step_time_s: float | None = None
     eta_s: float | None = None
-    """0 once done; None when unknown."""
+    """0 once done; None when unknown or when no job is training the run (not live)."""
     lease: dict | None = None
     """The run's lease: holder, epoch, heartbeat age, released, live (None: never leased)."""
+    live: bool = False
+    """A job is training the run now: its lease is held and renewed (a run without a lease:
+    its last attempt has no end record)."""
+    state: str = ""
+    """One line: done, running, or how the last attempt ended and what to do."""
 
     @property
     def resumes(self) -> list[Attempt]:
@@ -165,16 +170,44 @@ def run_status(run_dir: str | Path, now: float | None = None) -> RunStatus:
         attempts=attempts,
         lease=lease_status(checkpoint_storage(run_dir), now),
     )
+    last = attempts[-1] if attempts else None
+    if status.lease is not None:
+        status.live = bool(status.lease["live"] and not status.lease.get("released"))
+    else:
+        status.live = last is not None and last.end_reason is None
+    status.state = _state(status, last, now)
     if records and total is not None:
         speed = Throughput(total)
         for r in records:
             last = speed.update(r)
         status.samples_per_second = last.samples_per_second
         status.step_time_s = records[-1]["step_time_s"]
-        status.eta_s = last.eta_s
+        status.eta_s = last.eta_s if status.live else None  # a stopped run has no ETA
     if status.done:
         status.eta_s = 0.0
     return status
+
+
+def _state(s: RunStatus, last: Attempt | None, now: float) -> str:
+    if s.done:
+        return "done"
+    if s.live:
+        return "running"
+    if last is None:
+        return "not running; no attempt recorded"
+    if last.end_reason is None:
+        return (
+            f"not running: attempt #{last.attempt} left no end record (killed, or its node "
+            f"was lost); relaunch to resume from the last checkpoint"
+        )
+    when = f" ({_ago(now - last.ended)})" if last.ended is not None else ""
+    if last.end_reason == "preempted":
+        return (
+            f"preempted at step {last.end_step}{when}, checkpoint committed; relaunch the "
+            f"same command to continue"
+        )
+    error = f": {last.error}" if last.error else ""
+    return f"{last.end_reason} at step {last.end_step}{when}{error}"
 
 
 def _clock(t: float) -> str:
@@ -213,7 +246,11 @@ def format_status(s: RunStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
     total = "?" if s.total_steps is None else str(s.total_steps)
     pct = f" ({100 * s.step / s.total_steps:.0f}%)" if s.total_steps else ""
-    lines = [f"run         {s.run_dir}", f"steps       {s.step}/{total}{pct}"]
+    lines = [
+        f"run         {s.run_dir}",
+        f"state       {s.state}",
+        f"steps       {s.step}/{total}{pct}",
+    ]
     if s.last_checkpoint is None:
         lines.append("checkpoint  none committed")
     else:
@@ -235,7 +272,8 @@ def format_status(s: RunStatus, now: float | None = None) -> str:
         lines.append(
             f"speed       {s.samples_per_second:.1f} samples/s ({s.step_time_s:.3f} s/step)"
         )
-    lines.append("ETA         " + ("done" if s.done else format_eta(s.eta_s)))
+    if s.done or s.live:
+        lines.append("ETA         " + ("done" if s.done else format_eta(s.eta_s)))
     return "\n".join(lines)
 
 

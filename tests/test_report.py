@@ -64,6 +64,7 @@ def interrupted(tmp_path_factory) -> dict:
     assert proc.returncode == 1 and "preempted at step" in out, out
     preempted_at = list_checkpoints(run_dir)[0][0]
     assert preempted_at < 10
+    after_preemption = run_status(run_dir)
 
     proc = start(run_dir, 2, *ARGS)
     try:
@@ -82,6 +83,7 @@ def interrupted(tmp_path_factory) -> dict:
         "preempted_at": preempted_at,
         "killed_at": killed_at,
         "after_kill": after_kill,
+        "after_preemption": after_preemption,
         "output": result.output,
     }
 
@@ -119,14 +121,18 @@ def test_status_of_a_killed_run_and_of_the_finished_one(interrupted):
     run_dir = interrupted["dir"]
     dead = interrupted["after_kill"]
     assert dead.step == interrupted["killed_at"] and dead.total_steps == STEPS
-    assert dead.last_checkpoint == "checkpoint-10" and not dead.done and dead.eta_s > 0
+    assert dead.last_checkpoint == "checkpoint-10" and not dead.done
+    # Its job is gone (SIGKILL: the lease's holder is dead): no ETA, and the state says so.
+    assert not dead.live and dead.eta_s is None and dead.state.startswith("not running")
     assert [a.cause for a in dead.resumes] == ["preempted"]
-    assert "no end record (running, or killed)" in format_status(dead)
+    text = format_status(dead)
+    assert "no end record (running, or killed)" in text and "ETA" not in text
+    assert "state       not running: attempt #2 left no end record" in text
 
     result = report("status", str(run_dir))
     assert result.returncode == 0, result.stderr
     text = result.stdout
-    assert f"steps       {STEPS}/{STEPS} (100%)" in text
+    assert f"steps       {STEPS}/{STEPS} (100%)" in text and "state       done" in text
     assert re.search(rf"checkpoint  checkpoint-{STEPS} \(step {STEPS}\), committed \d+ s ago", text)
     assert "resumes     2 (preempted, crashed)" in text
     assert re.search(r"speed       [\d.]+ samples/s", text) and "ETA         done" in text
@@ -136,6 +142,14 @@ def test_status_of_a_killed_run_and_of_the_finished_one(interrupted):
     assert (as_json["step"], as_json["total_steps"], as_json["done"]) == (STEPS, STEPS, True)
     assert [a["cause"] for a in as_json["attempts"]] == ["fresh", "preempted", "crashed"]
     assert [a["end_reason"] for a in as_json["attempts"]] == ["preempted", None, "done"]
+
+
+def test_status_of_a_preempted_run_says_to_relaunch_and_has_no_eta(interrupted):
+    s = interrupted["after_preemption"]
+    p = interrupted["preempted_at"]
+    assert not s.live and s.eta_s is None and s.lease["released"]
+    assert s.state.startswith(f"preempted at step {p} (") and "relaunch" in s.state
+    assert "ETA" not in format_status(s)
 
 
 def test_plain_progress_lines_show_throughput_and_eta(interrupted):
