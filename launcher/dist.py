@@ -162,7 +162,7 @@ def exit_worker(code: int) -> NoReturn:
     this point nothing is left to run but that teardown (every checkpoint is fsynced and
     committed before training returns), so it is skipped.
 
-    Under `python -m launcher.agent` the code is first recorded for the agent (launcher/agent.py)."""
+    The code is first recorded for `python -m launcher.agent` (launcher/agent.py)."""
     record_exit(code)
     if not (_HAD_GROUP or dist.is_initialized()):
         sys.exit(code)
