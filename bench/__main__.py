@@ -6,26 +6,36 @@ passed on, anything else it prints goes to stderr (and, for one that failed, its
 again at the end). `--smoke` runs each one a few steps on a small model, to check that the
 suite works (the figures then mean nothing; a benchmark that fails is run once more, and both
 attempts' last lines are shown); the test suite runs it. The exit status is 1 when a benchmark
-failed or printed no figure.
+failed or printed no figure. `--save` also writes the figure lines to
+`bench/results/<UTC date>-<short commit>.jsonl`, after a header line saying where and what was
+measured; `python -m bench.report` makes the README's table from the newest such file.
 
-    .venv/bin/python -m bench [--smoke] [--only NAME[,NAME...]] [--list]
+    .venv/bin/python -m bench [--smoke] [--only NAME[,NAME...]] [--list] [--save]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import json
+import os
+import platform
+import shutil
 import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import is_figure  # noqa: E402
 
+RESULTS = REPO / "bench" / "results"
 # Lines of a failed benchmark repeated at the end (a traceback; pytest shows only the tail).
 TAIL_LINES = 80
 SMALL_MODEL = ["--n-layer", "1", "--n-embd", "96"]
@@ -137,9 +147,99 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
 }
 
 
-def run(name: str, smoke: bool) -> tuple[list[str], list[str]]:
-    """Run one benchmark, pass its figure lines on: (the names of the figures missing, the last
-    lines it wrote besides its figures, to repeat at the end when something is missing)."""
+def _git(*args: str) -> subprocess.CompletedProcess[str] | None:
+    # GIT_OPTIONAL_LOCKS=0: reading the state never rewrites the index under another git.
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+    try:
+        return subprocess.run(
+            ["git", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _cpu() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} x {os.cpu_count()}"
+
+
+def _gpu() -> str | None:
+    """NVIDIA GPUs as nvidia-smi names them (without importing torch here), or None."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    names = [n.strip() for n in out.splitlines() if n.strip()]
+    return f"{names[0]} x {len(names)}" if names else None
+
+
+def results_header(only: list[str] | None, smoke: bool) -> dict[str, Any]:
+    """The first line of a results file: the machine, the software and the code measured."""
+    head = _git("rev-parse", "--short", "HEAD")
+    commit = head.stdout.strip() if head is not None and head.returncode == 0 else "unknown"
+    diff = _git("diff", "--quiet", "HEAD", "--") if commit != "unknown" else None
+    try:
+        torch_version: str | None = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
+    return {
+        "machine": platform.node(),
+        "cpu": _cpu(),
+        "gpu": _gpu(),
+        "torch": torch_version,
+        "python": platform.python_version(),
+        "commit": commit,
+        "dirty": diff is not None and diff.returncode == 1,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "only": only,
+        "smoke": smoke,
+    }
+
+
+def results_sink(directory: Path, header: dict[str, Any]) -> Callable[[str], None]:
+    """Create `<date>-<commit>.jsonl` (`-2`, `-3`... when taken) in `directory`, holding
+    `header`; return what appends a figure line to it (flushed at once: a run killed halfway
+    keeps the figures it measured)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = f"{header['date'][:10]}-{header['commit']}"
+    path, n = directory / f"{stem}.jsonl", 1
+    while True:
+        try:
+            with path.open("x") as f:
+                f.write(json.dumps(header) + "\n")
+            break
+        except FileExistsError:
+            n += 1
+            path = directory / f"{stem}-{n}.jsonl"
+    print(f"bench: saving the figures to {path}", file=sys.stderr, flush=True)
+
+    def append(line: str) -> None:
+        with path.open("a") as f:
+            f.write(line + "\n")
+
+    return append
+
+
+def run(
+    name: str, smoke: bool, sink: Callable[[str], None] | None = None
+) -> tuple[list[str], list[str]]:
+    """Run one benchmark, pass its figure lines on (and to `sink`): (the names of the figures
+    missing, the last lines it wrote besides its figures, to repeat at the end when something
+    is missing)."""
     script, full, quick, expected = BENCHMARKS[name]
     cmd = [sys.executable, str(REPO / "bench" / script), *(quick if smoke else full)]
     t0 = time.perf_counter()
@@ -157,6 +257,8 @@ def run(name: str, smoke: bool) -> tuple[list[str], list[str]]:
         if isinstance(line, dict) and is_figure(line):
             seen.append(line["name"])
             print(json.dumps(line), flush=True)
+            if sink is not None:
+                sink(json.dumps(line))
         else:
             sys.stderr.write(raw)
             tail.append(raw.rstrip("\n"))
@@ -176,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a few steps each, small model")
     parser.add_argument("--only", default=None, help="comma-separated benchmark names")
     parser.add_argument("--list", action="store_true", help="print the benchmark names")
+    parser.add_argument(
+        "--save", action="store_true", help="also write the figures to bench/results/"
+    )
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(BENCHMARKS))
@@ -186,15 +291,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown benchmark {', '.join(unknown)}; one of {', '.join(BENCHMARKS)}")
     missing: list[str] = []
     failures: list[tuple[str, list[str]]] = []
+    sink = None
+    if args.save:
+        sink = results_sink(
+            RESULTS, results_header(None if args.only is None else names, args.smoke)
+        )
     for name in names:
-        lost, tail = run(name, args.smoke)
+        lost, tail = run(name, args.smoke, sink)
         if lost and args.smoke:
             # gloo on a loaded 2-core machine was seen to abort a worker at random (SIGABRT in
             # its TCP transport, a different benchmark each time): a smoke run, which checks
             # that the suite works, tries a failed benchmark once more and says so.
             failures.append((f"{name} (failed once, retried)", tail))
             print(f"bench: {name} failed; retrying it once (smoke run)", file=sys.stderr)
-            lost, tail = run(name, args.smoke)
+            lost, tail = run(name, args.smoke, sink)
         missing += lost
         if lost:
             failures.append((name, tail))
