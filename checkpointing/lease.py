@@ -22,7 +22,7 @@ Fencing: before a commit marker is written, a checkpoint renamed into place or o
 holder checks that no higher claim exists; a job that lost its lease raises LeaseLost and
 commits nothing more. What remains is the instant between that check and the write: a process
 frozen exactly there and resumed after a takeover can still complete that one write. Stores give
-no fencing token that closes it (see the README).
+no fencing token that closes it (see docs/checkpoints.md).
 
 Heartbeats carry wall-clock time: hosts that share a run need clocks synchronised to well under
 the timeout (NTP does this).
@@ -406,7 +406,8 @@ def _exclusive_or_advisory(
     if storage.url not in _warned_advisory:
         _warned_advisory.add(storage.url)
         logger.warning(
-            "%s has no create-if-absent: the lease is advisory (see the README)", storage.display()
+            "%s has no create-if-absent: the lease is advisory (see docs/checkpoints.md)",
+            storage.display(),
         )
 
     def look_then_write(rel: str, data: bytes) -> bool:

@@ -19,7 +19,7 @@ CUDA tensors are copied into pinned host buffers (allocated once, reused by ever
 - the writer thread waits for every copy (`wait_for(enqueued())`) before it reads a byte.
 
 A callback that changes parameters in place outside `optimizer.step()` after a save and before
-the next optimizer step would race with the side-stream copy (README, "Async save").
+the next optimizer step would race with the side-stream copy (docs/checkpoints.md, "Async save").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Resuming on another number of ranks: the global batch a checkpoint ran at, and the config
 that keeps it on this world size (or a refusal that says why it cannot).
 
-Elastic rules: see "Changing the number of workers" in the README.
+Elastic rules: see docs/elastic.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Process exit codes of `python -m launcher` (documented in the README)."""
+"""Process exit codes of `python -m launcher` (documented in the README, "Exit codes")."""
 
 OK = 0
 """Training finished (max_steps or num_epochs reached, or a callback stopped it)."""

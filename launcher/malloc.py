@@ -22,7 +22,7 @@ TRIM_THRESHOLD = 128 << 20
 # Setting either threshold switches off glibc's dynamic mmap threshold, so set both. 32 MiB is
 # the most that dynamic threshold ever reaches on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): below it a
 # tensor is reused from the heap, as with glibc's defaults once warm; 16 MiB mapped and unmapped a
-# 33 MB logits tensor of a small Llama every step (bench vs_trainer_hf: 0.82 -> see README).
+# 33 MB logits tensor of a small Llama every step (bench vs_trainer_hf: 0.82; docs/performance.md).
 MMAP_THRESHOLD = 32 << 20
 
 

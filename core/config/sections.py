@@ -133,7 +133,7 @@ class OptimConfig:
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.999
-    """AdamW beta2 (adafactor: its beta2_decay is not this; see README)."""
+    """AdamW beta2 (adafactor: its beta2_decay is not this; see docs/configuration.md)."""
     eps: float = 1e-8
     """AdamW/Adagrad epsilon."""
     momentum: float = 0.0
@@ -151,7 +151,7 @@ class OptimConfig:
 @dataclass
 class SchedulerConfig:
     name: str = "linear"
-    """One of the eight schedule types (see README)."""
+    """One of the eight schedule types (see docs/configuration.md)."""
     warmup_steps: int = 0
     """Linear warmup steps; wins over warmup_ratio when > 0."""
     warmup_ratio: float = 0.0

@@ -11,7 +11,7 @@ consecutive entries of `order`, and optimizer step s consumes entries
 `[s * G, (s + 1) * G)` with G = world * batch_size * accumulation (the global batch). The epoch
 (its length with drop_last, its length-grouped megabatches) is cut in units of G, never of the
 world size, so a resume on another number of ranks with the same global batch continues the
-very same stream of samples (see "Changing the number of workers" in the README).
+very same stream of samples (see docs/elastic.md).
 """
 
 from __future__ import annotations
