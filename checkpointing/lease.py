@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from checkpointing.comm import broadcast_object
 from checkpointing.holder import Holder
 from checkpointing.retry import StorageError, retrying
 from checkpointing.storage import Storage
@@ -376,6 +375,9 @@ def acquire(
                 elif not said:
                     logger.warning("waiting up to %.0f s for the lease: %s", wait_s, blocker)
                     said = True
+        # Imported here: torch comes with it, and `launcher status` reads leases without torch
+        from checkpointing.comm import broadcast_object
+
         outcome = broadcast_object(outcome, group)
         if isinstance(outcome, StorageError):  # every rank exits 4 with rank 0's error
             raise outcome

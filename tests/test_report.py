@@ -204,3 +204,11 @@ def test_tensorboard_after_kill_and_resume_has_each_step_once(interrupted):
 def test_default_report_to_writes_no_tensorboard(uninterrupted):
     assert not (uninterrupted / "tensorboard").exists()
     assert (uninterrupted / "history.jsonl").is_file()
+
+
+def test_status_and_plot_read_a_run_without_torch():
+    """`status` runs in a Slurm script after every failed attempt (docker/examples/slurm.sbatch)
+    and on login nodes: importing torch made each call take seconds."""
+    code = "import sys, launcher.report; sys.exit('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(), timeout=60)
+    assert result.returncode == 0, "launcher.report imported torch"
