@@ -1,6 +1,6 @@
 """The images and cluster recipes, checked without a Docker engine: hadolint, the Dockerfiles
 against the repository, the image's exact entry point run here, the compose/Kubernetes YAML and
-the Slurm script (run with stub srun/scontrol/scancel)."""
+the Slurm script's shell and settings (tests/deploy/test_slurm.py runs it under a real Slurm)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import json
 import posixpath
 import re
 import shutil
-import signal
 import subprocess
-import time
+import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -30,7 +29,10 @@ from tests.launch import BIN, REPO, child_env, kill_tree, read_metrics, run
 
 DOCKER = REPO / "docker"
 EXAMPLES = DOCKER / "examples"
-ENTRYPOINT = ["tini", "--", "torchrun", "-m", "launcher"]
+# torchrun's agent run in-process by launcher.agent: torchrun's CLI, the workers' exit code.
+ENTRYPOINT = ["tini", "--", "python", "-m", "launcher.agent", "-m", "launcher"]
+# Each image's ENV names paths inside it (the venv): not carried into the local runs below.
+IMAGE_ONLY_ENV = ("PATH", "VIRTUAL_ENV")
 # README: an orchestrator's grace period exceeds torchrun's shutdown timeout by at least this.
 GRACE_MARGIN_S = 10
 NOT_LOCKED = re.compile(r"^(torch|triton|nvidia-.*)$")  # supplied by the base image / torch index
@@ -133,13 +135,18 @@ def launcher_config_ok(image: Image, args: list[str]) -> None:
 
 def local_entrypoint(image: Image) -> list[str]:
     """The image's ENTRYPOINT as a local command. Substituted, and only this: tini when it is not
-    installed here (it only execs its argument and forwards signals to it), and `torchrun` by
-    the test environment's own (in the image it is on PATH)."""
+    installed here (it only execs its argument and forwards signals to it), and `python` by
+    the test environment's own (in the image, the venv's on PATH)."""
     cmd = json.loads(image.last("ENTRYPOINT"))
     assert cmd == ENTRYPOINT, cmd
     if shutil.which("tini") is None:
         cmd = cmd[2:]
-    return [str(BIN / "torchrun") if c == "torchrun" else c for c in cmd]
+    return [sys.executable if c == "python" else c for c in cmd]
+
+
+def container_env(image: Image) -> dict[str, str]:
+    """The image's ENV that a local run takes over (all but IMAGE_ONLY_ENV)."""
+    return {k: v for k, v in image.env.items() if k not in IMAGE_ONLY_ENV}
 
 
 def local_entry_command(image: Image) -> list[str]:
@@ -165,7 +172,7 @@ def test_hadolint_passes_on_both_dockerfiles() -> None:
 
 def test_both_images_share_the_entry_point_and_the_signal_story() -> None:
     for image in (GPU, CPU):
-        assert image.command[:5] == ENTRYPOINT
+        assert image.command[: len(ENTRYPOINT)] == ENTRYPOINT
         assert image.last("STOPSIGNAL") == "SIGTERM"
         assert any(re.search(r"apt-get install .*\btini\b", v) for v in image.values("RUN"))
         handled = image.env["PET_SIGNALS_TO_HANDLE"].split(",")
@@ -181,9 +188,10 @@ def test_base_images_are_pinned_to_the_tested_torch() -> None:
     gpu = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn9-runtime", GPU.base)
     assert gpu and gpu.group(1) == tested, GPU.base
     assert re.fullmatch(r"python:3\.\d+\.\d+-slim-\w+", CPU.base), CPU.base
-    installs = " ".join(CPU.values("RUN"))
-    assert f"torch=={tested}" in installs
-    assert "--index-url https://download.pytorch.org/whl/cpu" in installs
+    args = DockerfileParser(fileobj=io.BytesIO((DOCKER / "Dockerfile.cpu").read_bytes())).args
+    assert args["TORCH_SPEC"] == f"torch=={tested}"
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert '--index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"' in " ".join(CPU.values("RUN"))
 
 
 def test_non_root_user_workdir_and_runs_volume() -> None:
@@ -224,6 +232,36 @@ def test_copied_paths_match_the_repository_and_the_entry_point() -> None:
         assert dockerignored(excluded)
 
 
+def test_dependency_layers_come_before_the_sources() -> None:
+    """A source edit rebuilds only the layers after the dependencies: COPY of the sources, then
+    an editable install without dependencies. Before them only the packaging files are copied."""
+    sources = {"launcher", "core", "checkpointing", "configs", "README.md"}
+    for image in (GPU, CPU):
+        steps = [(i, v) for i, v in image.steps if i in ("COPY", "RUN")]
+        deps = next(k for k, (i, v) in enumerate(steps) if "-c docker/requirements.lock" in v)
+        copied_before = {src for i, v in steps[:deps] if i == "COPY" for src in v.split()[:-1]}
+        assert copied_before == {"pyproject.toml", "docker/requirements.lock"}, copied_before
+        copied_after = {src for i, v in steps[deps:] if i == "COPY" for src in v.split()[:-1]}
+        assert copied_after == sources, copied_after
+        assert steps[-1][0] == "RUN" and "pip install" in steps[-1][1]
+        assert {"--no-deps", "--no-build-isolation", "-e", "."} <= set(steps[-1][1].split())
+        assert image.env["VIRTUAL_ENV"] == "/opt/venv"
+        assert image.env["PATH"].startswith("/opt/venv/bin:")
+
+
+def test_pip_gets_its_ca_only_as_a_build_secret() -> None:
+    """Behind a TLS-intercepting proxy the CA bundle reaches pip as a build secret (mounted for
+    one RUN, in no layer); tests/deploy/test_image.py checks the built image for it."""
+    for image in (GPU, CPU):
+        pip_runs = [v for v in image.values("RUN") if re.search(r"\bpip install\b(?!.*-e \.)", v)]
+        assert pip_runs
+        for step in pip_runs:
+            assert "--mount=type=secret,id=pip_ca" in step, step
+            assert "PIP_CERT=/run/secrets/pip_ca" in step, step
+        assert not [k for k in image.env if "CERT" in k or "CA_BUNDLE" in k]
+        assert not [v for i, v in image.steps if i in ("COPY", "ADD") and ".crt" in v]
+
+
 def test_lock_pins_what_the_tests_run_with() -> None:
     pins = {}
     for line in (DOCKER / "requirements.lock").read_text().splitlines():
@@ -253,7 +291,7 @@ def test_entry_point_trains_the_tiny_config(tmp_path, monkeypatch) -> None:
     # The container's environment: the image's ENV and nothing else of torchrun's.
     for key in [k for k in child_env() if k.startswith("PET_")]:
         monkeypatch.delenv(key)
-    for key, value in CPU.env.items():
+    for key, value in container_env(CPU).items():
         monkeypatch.setenv(key, value)
     # Appended as a user appends to `docker run IMAGE ...`. With one node and no endpoint,
     # torchrun hosts its rendezvous on a free port (torch/distributed/run.py), as --standalone.
@@ -303,7 +341,7 @@ def test_compose_nodes_rendezvous_and_train_here(tmp_path) -> None:
     procs = []
     try:
         for svc in compose()["services"].values():
-            env = {**child_env(), **CPU.env, **svc["environment"]}
+            env = {**child_env(), **container_env(CPU), **svc["environment"]}
             assert env["PET_RDZV_ENDPOINT"] == "node0:29500"
             env["PET_RDZV_ENDPOINT"] = f"127.0.0.1:{port}"
             cmd = [*local_entrypoint(CPU), *svc["command"]]
@@ -388,88 +426,11 @@ def test_slurm_script_warns_early_enough_and_requeues() -> None:
     assert "-m launcher --config" in text
 
 
-STUBS = {
-    # one task, on this machine: drop srun's options and become the step (same pid)
-    "srun": """
-while [ "${1#--}" != "$1" ]; do shift; done
-echo $$ > "$STUB_DIR/step.pid"
-exec "$@"
-""",
-    # scancel --signal=SIG JOBID: signal the job step
-    "scancel": 'kill -s "${1#--signal=}" "$(cat "$STUB_DIR/step.pid")"',
-    "scontrol": """
-case "$1" in
-    show) echo localhost ;;  # show hostnames NODELIST
-    requeue) echo "$2" >> "$STUB_DIR/requeued" ;;
-esac
-""",
-}
-
-
-def start_slurm_job(tmp_path: Path, config: Path) -> subprocess.Popen:
-    stubs = tmp_path / "bin"
-    stubs.mkdir(exist_ok=True)
-    for name, body in STUBS.items():
-        (stubs / name).write_text(f"#!/bin/bash\nset -eu\n{body}\n")
-        (stubs / name).chmod(0o755)
-    env = child_env()
-    env.update(
-        PATH=f"{stubs}:{env['PATH']}",
-        STUB_DIR=str(tmp_path),
-        SLURM_JOB_ID="4242",
-        SLURM_JOB_NODELIST="localhost",
-        SLURM_NNODES="1",
-        NPROC_PER_NODE="1",
-        SLURM_SUBMIT_DIR=str(REPO),
-        TORCHRUN=str(BIN / "torchrun"),
-        CONFIG=str(config),
-        OUTPUT_DIR=str(tmp_path / "run"),
-        RDZV_PORT=str(free_port()),
-    )
-    return subprocess.Popen(
-        ["bash", str(SLURM)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def finish(proc: subprocess.Popen, timeout: float = 180) -> str:
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-
-
-def test_slurm_usr1_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path) -> None:
-    """Slurm's warning signal reaches the batch script (--signal=B:USR1): it is passed to the
-    step, every rank commits a checkpoint, the job requeues; the rerun script resumes and ends."""
-    values = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
-    values["train"].update(max_steps=80, logging_steps=1, progress_bar="never")
-    config = tmp_path / "tiny-80.yaml"
-    config.write_text(yaml.safe_dump(values))
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    proc = start_slurm_job(tmp_path, config)
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGUSR1)  # what slurmctld sends 180 s before the time limit
-    out = finish(proc)
-    assert proc.returncode == 0, out
-    assert (tmp_path / "requeued").read_text().split() == ["4242"], out
-    assert "preempted at step" in out, out
-    (checkpoint,) = (tmp_path / "run").glob("checkpoint-*")
-    step = int(checkpoint.name.split("-")[1])
-    assert 2 <= step < 80 and (checkpoint / "manifest.json").is_file()
-
-    proc = start_slurm_job(tmp_path, config)  # the requeued job: same script, same environment
-    out = finish(proc)
-    assert proc.returncode == 0, out
-    assert f"resumed from {checkpoint}" in out, out
-    assert read_metrics(tmp_path / "run")[-1]["step"] == 80
-    assert (tmp_path / "requeued").read_text().split() == ["4242"]
+def test_slurm_script_submits_anywhere_and_passes_options_on() -> None:
+    """No GPU asked for by the script itself (a CPU cluster refuses a job that asks for them);
+    the options after the script name reach the launcher. tests/deploy/test_slurm.py runs it
+    under a real Slurm."""
+    text = SLURM.read_text()
+    directives = re.findall(r"^#SBATCH (.*)$", text, re.M)
+    assert not [d for d in directives if "gpu" in d or "gres" in d], directives
+    assert re.search(r'-m launcher --config "\$CONFIG" --run.output_dir "\$OUTPUT_DIR" "\$@"', text)
