@@ -216,8 +216,17 @@ def requirements() -> list[str]:
 
 
 def local_find_links() -> list[Path]:
-    """This host's own wheel directories (PIP_FIND_LINKS), e.g. one holding the torch wheel."""
-    dirs = [Path(d) for d in os.environ.get("PIP_FIND_LINKS", "").split()]
+    """This host's own wheel directories, e.g. one holding the torch wheel: PIP_FIND_LINKS, and
+    pip's own configuration (pip.conf's find-links), where an environment lacks the variable."""
+    text = os.environ.get("PIP_FIND_LINKS", "")
+    listed = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
+    )
+    for line in listed.stdout.splitlines():
+        name, _, value = line.partition("=")
+        if name.strip().endswith("find-links"):
+            text += " " + value.strip().strip("'\"")
+    dirs = list(dict.fromkeys(Path(d) for d in text.split()))
     return [d for d in dirs if d.is_dir()]
 
 
