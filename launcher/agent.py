@@ -45,7 +45,7 @@ def record_exit(code: int) -> None:
         return
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    record = {"code": code, "rank": int(os.environ.get("RANK", "0")), "attempt": attempt}
+    record = {"code": code}  # attempt and local rank are in the name
     path = Path(directory) / f"attempt-{attempt}-rank-{local_rank}.json"
     try:
         tmp = path.with_suffix(".tmp")
@@ -109,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_IGN)
         codes = recorded_codes(directory)
         shutil.rmtree(directory, ignore_errors=True)
-    code = agreed_code(codes, _local_world_size(args.nproc_per_node))
+    local_world_size = _local_world_size(args.nproc_per_node)
+    code = agreed_code(codes, local_world_size)
     if code is None and failure is not None and stopped_by is None:
         # Workers that never reached exit_worker (killed, or another entry point): torchrun
         # knows the codes of the ones that failed.
         failed = {f.local_rank: f.exitcode for f in failure.failures.values()}
-        code = agreed_code(failed, _local_world_size(args.nproc_per_node))
+        code = agreed_code(failed, local_world_size)
     if code == exit_codes.PREEMPTED:
         how = f"stopped by {stopped_by}" if stopped_by else "preempted"
         logger.warning(

@@ -170,12 +170,12 @@ def run_status(run_dir: str | Path, now: float | None = None) -> RunStatus:
         attempts=attempts,
         lease=lease_status(checkpoint_storage(run_dir), now),
     )
-    last = attempts[-1] if attempts else None
-    if status.lease is not None:
-        status.live = bool(status.lease["live"] and not status.lease.get("released"))
+    latest = attempts[-1] if attempts else None
+    if status.lease is not None:  # a released lease is not live (LeaseRecord.free)
+        status.live = bool(status.lease["live"])
     else:
-        status.live = last is not None and last.end_reason is None
-    status.state = _state(status, last, now)
+        status.live = latest is not None and latest.end_reason is None
+    status.state = _state(status, latest, now)
     if records and total is not None:
         speed = Throughput(total)
         for r in records:
