@@ -381,14 +381,20 @@ def open_storage(
     if isinstance(url, Storage):
         return url
     text = os.fspath(url)
-    if "://" not in text:
-        return LocalStorage(text, retries)
-    if text.startswith("file://"):
-        return LocalStorage(text[len("file://") :], retries)
+    path = local_path(text)
+    if path is not None:
+        return LocalStorage(path, retries)
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(text, **(options or {}))
     return FsspecStorage(fs, root, text, retries)
+
+
+def local_path(url: str) -> str | None:
+    """The filesystem path of a plain path or `file://` URL; None for any other URL."""
+    if url.startswith("file://"):
+        return url[len("file://") :]
+    return None if "://" in url else url
 
 
 def as_storage(where: str | os.PathLike | Storage) -> Storage:

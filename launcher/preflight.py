@@ -7,13 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from checkpointing.storage import local_path
 from core.config import Config, ConfigError
-
-
-def _local_path(where: str) -> Path | None:
-    if where.startswith("file://"):
-        return Path(where[len("file://") :])
-    return None if "://" in where else Path(where)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -33,10 +28,10 @@ def check_writable(config: Config) -> None:
     if config.checkpoint.dir:
         places.append(("checkpoint.dir", config.checkpoint.dir))
     for key, where in places:
-        path = _local_path(where)
+        path = local_path(where)
         if path is None:
             continue
-        found = _nearest_existing(path)
+        found = _nearest_existing(Path(path))
         if not found.is_dir() or os.access(found, os.W_OK | os.X_OK):
             continue  # a file in the way is reported where the directory is made
         st = found.stat()
