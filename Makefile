@@ -40,7 +40,8 @@ test: $(STAMP)
 # The second stage (root; CI runs it after `test`): the CPU image built and run by a real podman,
 # the Slurm recipe run by a real Slurm on this host. Installs Debian's podman, runc, debootstrap,
 # slurm-wlm and munge when missing; caches the debootstrapped base image and a wheelhouse under
-# ~/.cache/resumable-trainer/. About 10 minutes on 2 cores with those caches, 15 without.
+# ~/.cache/resumable-trainer/. About 4 minutes on 2 cores with those caches (and podman's layer
+# cache), a few more without.
 test-deploy: $(STAMP)
 	$(BIN)/python -m tests.deploy.podman_setup
 	$(BIN)/python -m tests.deploy.slurm install

@@ -29,8 +29,6 @@ from tests.deploy.podman import (
 )
 from tests.launch import read_metrics
 
-pytestmark = pytest.mark.deploy
-
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker" / "examples" / "compose.yaml"
 TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())

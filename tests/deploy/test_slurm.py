@@ -24,8 +24,6 @@ from tests.conftest import free_port
 from tests.deploy.slurm import Cluster
 from tests.launch import REPO, child_env, read_metrics
 
-pytestmark = pytest.mark.deploy
-
 SCRIPT = "docker/examples/slurm.sbatch"  # submitted from REPO, as the README says
 STEPS = 100
 COMMON = [
