@@ -22,8 +22,7 @@ from checkpointing.rng import RNGState, rng_fingerprint
 from checkpointing.staging import SaveOutcome
 from checkpointing.stateful import Stateful
 from checkpointing.storage import Storage
-from core.config import Config
-from core.config.sections import FSDP_DEFAULTS
+from core.config import Config, config_roles
 from core.data.sampler import ResumableDistributedSampler
 from core.elastic import crosses, saved_global_batch
 from core.engines.base import Engine
@@ -31,39 +30,11 @@ from core.state import TrainState
 
 logger = logging.getLogger(__name__)
 
-# Config fields that do not change the trajectory; every other field does.
-NEUTRAL_FIELDS = {
-    "run.output_dir",
-    "run.overwrite",
-    "run.log_level",
-    "run.report_to",
-    "run.lease_wait_s",
-    "run.lease_timeout_s",
-    "data.num_workers",
-    "data.num_proc",
-    "data.store",
-    "data.storage_options",
-    "data.shard_bytes",
-    "data.store_cache_bytes",
-    "train.logging_steps",
-    "train.progress_bar",
-    "train.keep_global_batch",
-    "engine.backend",
-    "engine.find_unused_parameters",
-}
-NEUTRAL_SECTIONS = {"checkpoint"}
-# Fields added after checkpoints were first written, with the value every run had before them:
-# an older checkpoint without them resumes as if it recorded these.
-ADDED_FIELDS = {
-    "model.pretrained": None,
-    "model.dtype": "float32",
-    "model.attn_implementation": None,
-    "model.trust_remote_code": False,
-    "data.tokenizer": "bytes",
-    "data.train_on": "assistant",
-    "data.chat_template": None,
-    "engine.fsdp": FSDP_DEFAULTS,
-}
+# Each config field declares its role beside its definition (core/config/roles.py).
+_ROLES = config_roles()
+ADDED = {key: role.old for key, role in _ROLES.items() if role is not None and role.kind == "added"}
+"""Fields added after checkpoints were first written, with the value every run had before
+them: an older checkpoint without them resumes as if it recorded these."""
 
 
 class ResumeMismatchError(CheckpointError):
@@ -88,9 +59,8 @@ def trajectory(
     flat = {
         f"{section}.{key}": value
         for section, fields in config.to_dict().items()
-        if section not in NEUTRAL_SECTIONS
         for key, value in fields.items()
-        if f"{section}.{key}" not in NEUTRAL_FIELDS
+        if _ROLES[f"{section}.{key}"].in_trajectory
     }
     if tc.auto_find_batch_size:
         # The search may lower the micro-batch; what must not change is the global batch.
@@ -322,7 +292,7 @@ class RunCheckpointer:
 
     def _check_trajectory(self, path: Storage, saved: dict[str, Any]) -> None:
         saved = {k: v for k, v in saved.items() if k != "train.samples_per_step"}
-        saved = {**{k: v for k, v in ADDED_FIELDS.items() if k in self.trajectory}, **saved}
+        saved = {**{k: v for k, v in ADDED.items() if k in self.trajectory}, **saved}
         saved["train.global_batch"] = saved_global_batch(saved)
         keys = sorted(set(saved) | set(self.trajectory))
         differ = [k for k in keys if saved.get(k) != self.trajectory.get(k)]

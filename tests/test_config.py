@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from typing import Annotated
 
 import pytest
 import yaml
 
 from core.config import (
     DEFAULT_CONFIG,
+    SECTIONS,
     Config,
     ConfigError,
+    config_roles,
     dump_config,
     load_config,
     parse_overrides,
 )
+from core.config.roles import NEUTRAL, field_roles
 
 
 def test_default_config_file_loads():
@@ -247,3 +251,30 @@ def test_text_overrides_keep_yaml_words_and_mappings_still_parse():
 def test_a_token_store_refuses_what_fixed_blocks_cannot_do(key, value, message):
     with pytest.raises(ConfigError, match=f"data.{key}: .*{message}"):
         load_config(None, ["--data.store", "/tmp/any-store", f"--data.{key}", str(value).lower()])
+
+
+def test_every_field_declares_its_role_for_checkpoints():
+    """A field must say whether it defines the trajectory, is neutral to a resume, or was added
+    with a value old checkpoints assume (core/config/roles.py): never silently the first."""
+    roles = config_roles()
+    assert len(roles) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS.values())
+    assert [key for key, role in roles.items() if role is None] == []
+
+
+def test_a_field_without_a_role_is_found():
+    @dataclasses.dataclass
+    class Section:
+        declared: Annotated[int, NEUTRAL] = 1
+        undeclared: int = 2
+
+    assert field_roles(Section) == {"declared": NEUTRAL, "undeclared": None}
+
+
+def test_the_trajectory_follows_the_declared_roles():
+    from core.checkpoint import trajectory
+
+    flat = trajectory(load_config(None), 1, "data", 10)
+    roles = config_roles()
+    assert {k for k in roles if k in flat} == {k for k, r in roles.items() if r.in_trajectory}
+    assert "run.output_dir" not in flat and "checkpoint.save_steps" not in flat
+    assert flat["optim.lr"] == load_config(None).optim.lr

@@ -18,6 +18,7 @@ import yaml
 from checkpointing.redact import display_url, redact_options
 from core.config.checks import ConfigError, _check, first_line
 from core.config.inputs import DATA_FORMATS, HF_PREFIX, DataConfig, ModelConfig
+from core.config.roles import Role, field_roles
 from core.config.sections import (
     ENGINES,
     OPTIMIZERS,
@@ -53,6 +54,7 @@ __all__ = [
     "SchedulerConfig",
     "TrainConfig",
     "build_config",
+    "config_roles",
     "dump_config",
     "first_line",
     "load_config",
@@ -126,6 +128,15 @@ def _build_section(name: str, cls: type, values: dict[str, Any]) -> Any:
     )
     kwargs = {k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
     return cls(**kwargs)
+
+
+def config_roles() -> dict[str, Role | None]:
+    """{"section.key": the field's declared Role (core/config/roles.py), None if undeclared}."""
+    return {
+        f"{section}.{name}": role
+        for section, cls in SECTIONS.items()
+        for name, role in field_roles(cls).items()
+    }
 
 
 def build_config(values: dict[str, Any]) -> Config:

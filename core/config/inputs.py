@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from core.config.checks import ConfigError, _check, _one_of
+from core.config.roles import NEUTRAL, TRAJECTORY, Added
 
 DATA_FORMATS = ("auto", "text", "json", "parquet", "chat")
 MODEL_DTYPES = ("float32", "bfloat16")
@@ -16,34 +17,34 @@ HF_PREFIX = "hf:"
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny-gpt"
+    name: Annotated[str, TRAJECTORY] = "tiny-gpt"
     """'tiny-gpt' (built in), 'hf:<directory or hub id>' (transformers AutoModelForCausalLM) or
     'package.module:factory' returning an nn.Module."""
-    pretrained: bool | None = None
+    pretrained: Annotated[bool | None, Added(None)] = None
     """hf: load the weights (model.safetensors); false builds from config.json alone, randomly
     initialised after seeding. Default: true for hf: models."""
-    dtype: str = "float32"
+    dtype: Annotated[str, Added("float32")] = "float32"
     """Parameter dtype: float32 or bfloat16 (the weights train in it; train.bf16 is autocast)."""
-    attn_implementation: str | None = None
+    attn_implementation: Annotated[str | None, Added(None)] = None
     """hf: the attention kernel, passed to transformers (eager, sdpa, flash_attention_2, ...)."""
-    trust_remote_code: bool = False
+    trust_remote_code: Annotated[bool, Added(False)] = False
     """hf: run the Python code a model directory ships (auto_map in config.json)."""
-    n_layer: int = 2
+    n_layer: Annotated[int, TRAJECTORY] = 2
     """tiny-gpt: number of transformer blocks."""
-    n_head: int = 2
+    n_head: Annotated[int, TRAJECTORY] = 2
     """tiny-gpt: attention heads per block."""
-    n_embd: int = 64
+    n_embd: Annotated[int, TRAJECTORY] = 64
     """tiny-gpt: embedding width (divisible by n_head)."""
-    block_size: int = 64
+    block_size: Annotated[int, TRAJECTORY] = 64
     """tiny-gpt: maximum sequence length (positions)."""
-    dropout: float = 0.1
+    dropout: Annotated[float, TRAJECTORY] = 0.1
     """tiny-gpt: dropout probability in attention and MLP."""
-    bias: bool = True
+    bias: Annotated[bool, TRAJECTORY] = True
     """tiny-gpt: use biases in Linear and LayerNorm layers."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Annotated[bool, TRAJECTORY] = False
     """Recompute block activations in backward (tiny-gpt, hf: models, or a model with the same
     hook)."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: Annotated[dict[str, Any], TRAJECTORY] = field(default_factory=dict)
     """Keyword arguments passed to a user factory."""
 
     @property
@@ -84,48 +85,48 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"
+    source: Annotated[str, TRAJECTORY] = "stdlib"
     """'stdlib' (the Python standard library's source, no download), a file path or glob, an
     fsspec URL or glob (s3://bucket/corpus/*.jsonl: for prepare), or a token store."""
-    store: str | None = None
+    store: Annotated[str | None, NEUTRAL] = None
     """A token store (a path or fsspec URL) that `python -m launcher prepare` writes from
     data.source and training reads: O(1) resume at any position, any number of ranks."""
-    storage_options: dict[str, Any] = field(default_factory=dict)
+    storage_options: Annotated[dict[str, Any], NEUTRAL] = field(default_factory=dict)
     """fsspec options for an s3:// (or other URL) data.source or data.store (endpoint_url,
     key, secret, ...)."""
-    shard_bytes: int = 256 << 20
+    shard_bytes: Annotated[int, NEUTRAL] = 256 << 20
     """prepare: bytes per store shard (whole blocks); sample i is block i for any value."""
-    store_cache_bytes: int = 256 << 20
+    store_cache_bytes: Annotated[int, NEUTRAL] = 256 << 20
     """Reading a store from an object store: verified chunks kept per process (LRU)."""
-    format: str = "auto"
+    format: Annotated[str, TRAJECTORY] = "auto"
     """File format: auto (from the extension), text, json (json/jsonl), parquet, or chat
     (json/jsonl/parquet rows with a `messages` list of {role, content})."""
-    text_field: str = "text"
+    text_field: Annotated[str, TRAJECTORY] = "text"
     """Column holding the text in json/parquet files."""
-    tokenizer: str = "bytes"
+    tokenizer: Annotated[str, Added("bytes")] = "bytes"
     """bytes (UTF-8 bytes, 256 ids) or 'hf:<directory or hub id>' (a fast tokenizer)."""
-    num_proc: int = 1
+    num_proc: Annotated[int, NEUTRAL] = 1
     """Processes that tokenise (datasets.map num_proc); the result is the same for any value."""
-    train_on: str = "assistant"
+    train_on: Annotated[str, Added("assistant")] = "assistant"
     """format chat: assistant (only assistant tokens are labels) or all."""
-    chat_template: str | None = None
+    chat_template: Annotated[str | None, Added(None)] = None
     """format chat: a Jinja chat template, or a file holding one, in place of the tokenizer's
     own (read at start, so config.yaml records it)."""
-    seq_len: int = 64
+    seq_len: Annotated[int, TRAJECTORY] = 64
     """Tokens per sample."""
-    packing: bool = True
+    packing: Annotated[bool, TRAJECTORY] = True
     """Concatenate all text and cut fixed seq_len blocks; false keeps one sample per record."""
-    max_bytes: int = 2_000_000
+    max_bytes: Annotated[int, TRAJECTORY] = 2_000_000
     """stdlib source: bytes of the corpus to use (0 = all)."""
-    num_workers: int = 0
+    num_workers: Annotated[int, NEUTRAL] = 0
     """DataLoader worker processes."""
-    drop_last: bool = True
+    drop_last: Annotated[bool, TRAJECTORY] = True
     """Drop the last incomplete batch of an epoch."""
-    group_by_length: bool = False
+    group_by_length: Annotated[bool, TRAJECTORY] = False
     """Batch samples of similar length together (useful with packing: false)."""
-    remove_unused_columns: bool = True
+    remove_unused_columns: Annotated[bool, TRAJECTORY] = True
     """Drop dataset columns the model's forward does not accept (logged once)."""
-    label_names: list[str] | None = None
+    label_names: Annotated[list[str] | None, TRAJECTORY] = None
     """Batch keys that hold labels (default: labels, when the model accepts it)."""
 
     def __post_init__(self) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from core.config.checks import _check, _one_of, _read_mapping
 from core.config.inputs import DataConfig, ModelConfig
+from core.config.roles import NEUTRAL, TRAJECTORY, Added
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "adafactor")
 SCHEDULERS = (
@@ -33,22 +34,22 @@ REPORT_TO = ("jsonl", "tensorboard")
 
 @dataclass
 class RunConfig:
-    output_dir: str = "runs/tiny"
+    output_dir: Annotated[str, NEUTRAL] = "runs/tiny"
     """Directory for config.yaml, metrics.jsonl and checkpoints."""
-    seed: int = 42
+    seed: Annotated[int, TRAJECTORY] = 42
     """Seed for Python, NumPy, torch, the sampler shuffle and DataLoader workers."""
-    full_determinism: bool = False
+    full_determinism: Annotated[bool, TRAJECTORY] = False
     """Use deterministic algorithms only (torch.use_deterministic_algorithms, cuDNN flags)."""
-    overwrite: bool = False
+    overwrite: Annotated[bool, NEUTRAL] = False
     """Allow a fresh run (resume_from: none) to write into an output_dir that holds checkpoints."""
-    log_level: str = "info"
+    log_level: Annotated[str, NEUTRAL] = "info"
     """Logging level: debug, info, warning, error."""
-    report_to: list[str] = field(default_factory=lambda: ["jsonl"])
+    report_to: Annotated[list[str], NEUTRAL] = field(default_factory=lambda: ["jsonl"])
     """Metric sinks of rank 0: jsonl (metrics.jsonl), tensorboard (<output_dir>/tensorboard/)."""
-    lease_wait_s: float = 600.0
+    lease_wait_s: Annotated[float, NEUTRAL] = 600.0
     """A second job launched into a run whose lease another job holds waits this long for it
     (a preempted job's grace period and final save), then exits with code 73."""
-    lease_timeout_s: float = 60.0
+    lease_timeout_s: Annotated[float, NEUTRAL] = 60.0
     """A lease whose heartbeat is older than this is taken over (a lost node, a frozen job); on
     the same host a holder whose process is gone is taken over at once."""
 
@@ -68,28 +69,28 @@ class RunConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int | None = None
+    max_steps: Annotated[int | None, TRAJECTORY] = None
     """Optimizer steps to run; wins over num_epochs when set."""
-    num_epochs: int | None = None
+    num_epochs: Annotated[int | None, TRAJECTORY] = None
     """Epochs to run when max_steps is not set."""
-    per_device_batch_size: int = 8
+    per_device_batch_size: Annotated[int, TRAJECTORY] = 8
     """Samples per micro-batch on each rank."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Annotated[int, TRAJECTORY] = 1
     """Micro-batches per optimizer step."""
-    keep_global_batch: bool = True
+    keep_global_batch: Annotated[bool, NEUTRAL] = True
     """Resuming on a different number of ranks: set accumulation so that ranks x per-device
     batch x accumulation stays the checkpoint's global batch (refused when impossible)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, TRAJECTORY] = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
-    logging_steps: int = 10
+    logging_steps: Annotated[int, NEUTRAL] = 10
     """Log (metrics.jsonl, console) every this many optimizer steps, and at the last step."""
-    bf16: bool = False
+    bf16: Annotated[bool, TRAJECTORY] = False
     """Run forward passes under bf16 autocast."""
-    progress_bar: str = "auto"
+    progress_bar: Annotated[str, NEUTRAL] = "auto"
     """auto (tqdm on a terminal), always or never."""
-    auto_find_batch_size: bool = False
+    auto_find_batch_size: Annotated[bool, TRAJECTORY] = False
     """On out-of-memory in the first steps: halve the batch, double accumulation, retry."""
-    label_smoothing_factor: float = 0.0
+    label_smoothing_factor: Annotated[float, TRAJECTORY] = 0.0
     """Label smoothing for models that return logits (cross_entropy's label_smoothing)."""
 
     def __post_init__(self) -> None:
@@ -124,19 +125,19 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw_torch"
+    name: Annotated[str, TRAJECTORY] = "adamw_torch"
     """One of: adamw_torch, adamw_torch_fused, sgd, adagrad, adafactor."""
-    lr: float = 1e-3
+    lr: Annotated[float, TRAJECTORY] = 1e-3
     """Peak learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, TRAJECTORY] = 0.0
     """Weight decay, applied to all parameters but biases and normalisation weights."""
-    beta1: float = 0.9
+    beta1: Annotated[float, TRAJECTORY] = 0.9
     """AdamW beta1."""
-    beta2: float = 0.999
+    beta2: Annotated[float, TRAJECTORY] = 0.999
     """AdamW beta2 (adafactor: its beta2_decay is not this; see docs/configuration.md)."""
-    eps: float = 1e-8
+    eps: Annotated[float, TRAJECTORY] = 1e-8
     """AdamW/Adagrad epsilon."""
-    momentum: float = 0.0
+    momentum: Annotated[float, TRAJECTORY] = 0.0
     """SGD momentum."""
 
     def __post_init__(self) -> None:
@@ -150,13 +151,13 @@ class OptimConfig:
 
 @dataclass
 class SchedulerConfig:
-    name: str = "linear"
+    name: Annotated[str, TRAJECTORY] = "linear"
     """One of the eight schedule types (see docs/configuration.md)."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, TRAJECTORY] = 0
     """Linear warmup steps; wins over warmup_ratio when > 0."""
-    warmup_ratio: float = 0.0
+    warmup_ratio: Annotated[float, TRAJECTORY] = 0.0
     """Warmup as a fraction of the total optimizer steps."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: Annotated[dict[str, Any], TRAJECTORY] = field(default_factory=dict)
     """Extra schedule arguments: num_cycles, lr_end, power, timescale, factor, patience..."""
 
     def __post_init__(self) -> None:
@@ -167,16 +168,16 @@ class SchedulerConfig:
 
 @dataclass
 class EvalConfig:
-    strategy: str = "no"
+    strategy: Annotated[str, TRAJECTORY] = "no"
     """When to evaluate: no, steps (every eval.steps), epoch (at each epoch end)."""
-    steps: int = 0
+    steps: Annotated[int, TRAJECTORY] = 0
     """With strategy steps: evaluate every this many optimizer steps (0: train.logging_steps)."""
-    per_device_batch_size: int | None = None
+    per_device_batch_size: Annotated[int | None, TRAJECTORY] = None
     """Eval micro-batch per rank (default: train.per_device_batch_size)."""
-    source: str = "holdout"
+    source: Annotated[str, TRAJECTORY] = "holdout"
     """holdout (the last eval.holdout_samples of the training data, which training then skips)
     or a file path / glob read with the data section's settings."""
-    holdout_samples: int = 256
+    holdout_samples: Annotated[int, TRAJECTORY] = 256
     """With source holdout: samples held out for evaluation."""
 
     def __post_init__(self) -> None:
@@ -189,29 +190,29 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str | None = None
+    dir: Annotated[str | None, NEUTRAL] = None
     """Where checkpoints live: a path or an fsspec URL (s3://bucket/run, gs://..., memory://
     for one process); default run.output_dir."""
-    storage_options: dict[str, Any] = field(default_factory=dict)
+    storage_options: Annotated[dict[str, Any], NEUTRAL] = field(default_factory=dict)
     """Keyword arguments for the fsspec filesystem (s3fs: endpoint_url, key, secret, ...);
     credentials are never written to config.yaml, logs or manifests."""
-    async_save: bool = False
+    async_save: Annotated[bool, NEUTRAL] = False
     """Stage the state in memory and write, upload and commit in a background thread."""
-    retries: int = 3
+    retries: Annotated[int, NEUTRAL] = 3
     """Retries (with backoff) of each store operation of a save or load before it fails."""
-    save_steps: int = 0
+    save_steps: Annotated[int, NEUTRAL] = 0
     """Save a checkpoint every this many optimizer steps (0 = only the final one)."""
-    save_total_limit: int | None = None
+    save_total_limit: Annotated[int | None, NEUTRAL] = None
     """Keep at most this many committed checkpoints (oldest deleted first)."""
-    resume_from: str = "latest"
+    resume_from: Annotated[str, NEUTRAL] = "latest"
     """latest (newest committed checkpoint in output_dir, if any), none, or a checkpoint path."""
-    allow_config_change: bool = False
+    allow_config_change: Annotated[bool, NEUTRAL] = False
     """Resume even when fields that change the trajectory differ from the checkpoint's."""
-    best_metric: str | None = None
+    best_metric: Annotated[str | None, NEUTRAL] = None
     """Metric (e.g. eval_loss) whose best checkpoint retention keeps beside the newest."""
-    greater_is_better: bool | None = None
+    greater_is_better: Annotated[bool | None, NEUTRAL] = None
     """Whether a larger best_metric is better (default: false for names ending in loss)."""
-    load_best_model_at_end: bool = False
+    load_best_model_at_end: Annotated[bool, NEUTRAL] = False
     """Load the best checkpoint's model weights when training ends (needs best_metric)."""
 
     def __post_init__(self) -> None:
@@ -231,20 +232,22 @@ def metric_greater_is_better(metric: str, explicit: bool | None = None) -> bool:
 
 @dataclass
 class EngineConfig:
-    name: str = "ddp"
+    name: Annotated[str, TRAJECTORY] = "ddp"
     """Distributed engine: ddp, fsdp (FSDP2 sharding) or deepspeed."""
-    backend: str = "auto"
+    backend: Annotated[str, NEUTRAL] = "auto"
     """Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
-    device: str = "auto"
+    device: Annotated[str, TRAJECTORY] = "auto"
     """auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu or cuda."""
-    find_unused_parameters: bool = False
+    find_unused_parameters: Annotated[bool, NEUTRAL] = False
     """DDP find_unused_parameters."""
-    deepspeed_config: dict[str, Any] | str | None = None
+    deepspeed_config: Annotated[dict[str, Any] | str | None, TRAJECTORY] = None
     """deepspeed: a DeepSpeed config (JSON or YAML file, or an inline mapping); the file is read
     here, so config.yaml records its content. Batch size, accumulation, clipping and bf16 come
     from the train section (leave them out or "auto")."""
 
-    fsdp: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(FSDP_DEFAULTS))
+    fsdp: Annotated[dict[str, Any], Added(FSDP_DEFAULTS)] = dataclasses.field(
+        default_factory=lambda: dict(FSDP_DEFAULTS)
+    )
     """fsdp: `wrap` (module class names sharded as units of their own; null: a transformers
     model's _no_split_modules, TinyGPT's Block) and `reshard_after_forward` (free gathered
     parameters after forward, gather again for backward: less memory, more communication)."""
