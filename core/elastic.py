@@ -13,6 +13,7 @@ from typing import Any
 
 from checkpointing.manifest import CheckpointError, Manifest
 from core.config import Config
+from core.engines.registry import crosses, engine_spec
 
 logger = logging.getLogger(__name__)
 
@@ -26,40 +27,6 @@ def saved_global_batch(saved: dict[str, Any]) -> int | None:
     if per_rank is None and "train.per_device_batch_size" in saved:
         per_rank = saved["train.per_device_batch_size"] * saved["train.gradient_accumulation_steps"]
     return None if per_rank is None else per_rank * saved["world_size"]
-
-
-def _check_deepspeed_reshard(config: Config, saved: Manifest, where: str) -> None:
-    """ZeRO 1-2 with an Adam-family optimizer resume on another number of ranks (through a
-    DeepSpeed universal checkpoint); anything else is refused with the reason."""
-    ds = saved.trajectory.get("engine.deepspeed_config") or {}
-    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
-    named = str((ds.get("optimizer") or {}).get("type", "")).lower()
-    adam = named in ("adam", "adamw") if named else config.optim.name.startswith("adamw")
-    why = None
-    if stage == 0:
-        why = "ZeRO stage 0 keeps no partitioned optimizer state to convert"
-    elif stage == 3:
-        why = (
-            "DeepSpeed 0.19's universal load gives every ZeRO-3 parameter group the "
-            "hyperparameters of the first (weight decay would reach biases and norms)"
-        )
-    elif not adam:
-        why = "DeepSpeed's universal checkpoints hold Adam moments only (exp_avg, exp_avg_sq)"
-    if why is not None:
-        raise CheckpointError(
-            f"{where}: DeepSpeed ZeRO-{stage} shards cannot be resharded here: {why}; relaunch "
-            f"on {saved.world_size}, or export the weights (python -m checkpointing export) "
-            "and start a new run from them"
-        )
-
-
-NAMED_ENGINES = {"ddp", "fsdp"}
-"""Engines whose checkpoints hold complete state by name: each resumes the other's."""
-
-
-def crosses(saved: str, now: str) -> bool:
-    """Whether a checkpoint of engine `saved` resumes under engine `now` (another one)."""
-    return saved != now and {saved, now} <= NAMED_ENGINES
 
 
 def sizing(saved: Manifest | None) -> tuple[int, str] | None:
@@ -92,8 +59,7 @@ def fit_world_size(config: Config, saved: Manifest | None, world_size: int) -> C
             raise CheckpointError(
                 f"{where}: saved by engine {saved.engine}, this run uses {config.engine.name}"
             )
-        if saved.engine == "deepspeed":
-            _check_deepspeed_reshard(config, saved, where)
+        engine_spec(saved.engine).check_reshard(config, saved, where)
         if str(saved.trajectory.get("dataset", "")).startswith("stream:"):
             raise CheckpointError(
                 f"{where}: an iterable dataset is dealt to ranks by their number, so its "

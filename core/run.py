@@ -39,7 +39,7 @@ from core.data.stream import StreamPosition, is_stream
 from core.data.tokenizers import check_vocab
 from core.elastic import fit_world_size, sizing
 from core.engines.base import Engine
-from core.engines.ddp import DDPEngine
+from core.engines.registry import EngineInputs, engine_spec
 from core.evaluation import evaluate
 from core.loop import DistInfo, TrainLoop, plan_steps
 from core.losses import LabelSmoother, compute_loss
@@ -167,17 +167,6 @@ def _check_model_fit(config: Config, hf: HFSource, tokenizer: HFTokenizer | None
         )
 
 
-def _build_optimizer(
-    model: nn.Module, config: Config, parts: UserParts, device: torch.device
-) -> torch.optim.Optimizer:
-    if parts.optimizer is not None:
-        return parts.optimizer
-    if parts.optimizer_cls_and_kwargs is not None:
-        cls, kwargs = parts.optimizer_cls_and_kwargs
-        return cls(parameter_groups(model, config.optim.weight_decay), **kwargs)
-    return build_optimizer(model, config.optim, device)
-
-
 def _build_engine(
     config: Config,
     model: nn.Module,
@@ -187,6 +176,16 @@ def _build_engine(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     dist_info: DistInfo,
 ) -> Engine:
+    """The engine config.engine.name names, from the registry (core/engines/registry.py)."""
+
+    def make_optimizer(module: nn.Module) -> torch.optim.Optimizer:
+        if parts.optimizer is not None:
+            return parts.optimizer
+        if parts.optimizer_cls_and_kwargs is not None:
+            cls, kwargs = parts.optimizer_cls_and_kwargs
+            return cls(parameter_groups(module, config.optim.weight_decay), **kwargs)
+        return build_optimizer(module, config.optim, device)
+
     def make_schedule(optimizer: torch.optim.Optimizer) -> Schedule:
         if parts.lr_scheduler is not None:
             return Schedule(parts.lr_scheduler)
@@ -198,46 +197,18 @@ def _build_engine(
         except ValueError as e:
             raise ConfigError(f"scheduler.kwargs: {e}") from e
 
-    if config.engine.name == "deepspeed":
-        from core.engines.deepspeed import DeepSpeedEngine, resolve_deepspeed_config
-
-        ds_config = resolve_deepspeed_config(config, dist_info.world_size)
-        names_optimizer = ds_config.get("optimizer") is not None
-        if names_optimizer and (parts.optimizer is not None or parts.optimizer_cls_and_kwargs):
-            raise ConfigError(
-                "engine.deepspeed_config: names an optimizer, and the Trainer was given one too"
-            )
-        optimizer = None if names_optimizer else _build_optimizer(model, config, parts, device)
-        return DeepSpeedEngine(model, optimizer, make_schedule, device, ds_config, loss_fn)
-    if config.engine.name == "fsdp":
-        from core.engines.fsdp import FSDPEngine
-
-        if parts.optimizer is not None:
-            raise ConfigError(
-                "optimizer: a ready-made optimizer holds the unsharded parameters; with "
-                "engine.name fsdp pass optimizer_cls_and_kwargs (or set the optim section)"
-            )
-        fc = config.engine.fsdp
-        return FSDPEngine(
-            model,
-            lambda sharded: _build_optimizer(sharded, config, parts, device),
-            make_schedule,
-            device,
-            wrap=fc["wrap"],
-            reshard_after_forward=fc["reshard_after_forward"],
-            bf16=config.train.bf16,
-            loss_fn=loss_fn,
-        )
-    optimizer = _build_optimizer(model, config, parts, device)
-    return DDPEngine(
+    inputs = EngineInputs(
+        config,
         model,
-        optimizer,
-        make_schedule(optimizer),
         device,
-        bf16=config.train.bf16,
-        find_unused_parameters=config.engine.find_unused_parameters,
-        loss_fn=loss_fn,
+        dist_info.world_size,
+        loss_fn,
+        make_optimizer,
+        make_schedule,
+        ready_optimizer=parts.optimizer,
+        custom_optimizer=parts.optimizer is not None or parts.optimizer_cls_and_kwargs is not None,
     )
+    return engine_spec(config.engine.name).build(inputs)
 
 
 def open_checkpoint_storage(config: Config, world_size: int) -> Storage:

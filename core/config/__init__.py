@@ -20,7 +20,6 @@ from core.config.checks import ConfigError, _check, first_line
 from core.config.inputs import DATA_FORMATS, HF_PREFIX, DataConfig, ModelConfig
 from core.config.roles import Role, field_roles
 from core.config.sections import (
-    ENGINES,
     OPTIMIZERS,
     SCHEDULERS,
     CheckpointConfig,
@@ -37,7 +36,6 @@ from core.config.sections import (
 __all__ = [
     "DATA_FORMATS",
     "DEFAULT_CONFIG",
-    "ENGINES",
     "HF_PREFIX",
     "OPTIMIZERS",
     "SCHEDULERS",

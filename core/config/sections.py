@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from core.config.checks import _check, _one_of, _read_mapping
 from core.config.inputs import DataConfig, ModelConfig
 from core.config.roles import NEUTRAL, TRAJECTORY, Added
+from core.engines.registry import engine_names
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "adafactor")
 SCHEDULERS = (
@@ -27,7 +28,6 @@ SCHEDULERS = (
     "inverse_sqrt",
     "reduce_lr_on_plateau",
 )
-ENGINES = ("ddp", "fsdp", "deepspeed")
 FSDP_DEFAULTS: dict[str, Any] = {"wrap": None, "reshard_after_forward": True}
 REPORT_TO = ("jsonl", "tensorboard")
 
@@ -253,7 +253,7 @@ class EngineConfig:
     parameters after forward, gather again for backward: less memory, more communication)."""
 
     def __post_init__(self) -> None:
-        _one_of(self.name, "engine.name", ENGINES)
+        _one_of(self.name, "engine.name", engine_names())
         unknown = sorted(set(self.fsdp) - set(FSDP_DEFAULTS))
         _check(
             not unknown,

@@ -21,6 +21,7 @@ from checkpointing.balanced import Balanced
 from checkpointing.stateful import DirectoryState, Stateful
 from core.engines.base import Engine
 from core.engines.named_state import OptimizerState
+from core.engines.registry import EngineInputs
 from core.models import call_model
 from core.schedules import Schedule
 
@@ -105,3 +106,18 @@ class DDPEngine(Engine):
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+
+def build(inputs: EngineInputs) -> DDPEngine:
+    """The registry's builder (core/engines/__init__.py)."""
+    config = inputs.config
+    optimizer = inputs.make_optimizer(inputs.model)
+    return DDPEngine(
+        inputs.model,
+        optimizer,
+        inputs.make_schedule(optimizer),
+        inputs.device,
+        bf16=config.train.bf16,
+        find_unused_parameters=config.engine.find_unused_parameters,
+        loss_fn=inputs.loss_fn,
+    )

@@ -32,9 +32,10 @@ from torch import nn
 from checkpointing.comm import any_rank
 from checkpointing.manifest import CheckpointError
 from checkpointing.stateful import DirectoryState, Stateful
-from core.config import Config, ConfigError
+from core.config import ConfigError
 from core.engines.base import Engine
 from core.engines.ddp import move_to_device
+from core.engines.deepspeed_config import resolve_deepspeed_config  # noqa: F401 (its home before)
 from core.models import call_model
 from core.schedules import Schedule
 
@@ -42,58 +43,6 @@ logger = logging.getLogger(__name__)
 
 TAG = "shards"
 """The tag (sub-directory) DeepSpeed saves under, inside the checkpoint's `deepspeed/`."""
-
-
-def resolve_deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config to initialise with: the user's, plus the values our train section
-    decides. A key the user set to anything but our value or "auto" is a ConfigError."""
-    user = dict(config.engine.deepspeed_config or {})
-    tc = config.train
-    ours = {
-        "train_micro_batch_size_per_gpu": tc.per_device_batch_size,
-        "gradient_accumulation_steps": tc.gradient_accumulation_steps,
-        "train_batch_size": tc.per_device_batch_size * tc.gradient_accumulation_steps * world_size,
-        "gradient_clipping": float(tc.max_grad_norm),
-    }
-    where = {
-        "train_micro_batch_size_per_gpu": "train.per_device_batch_size",
-        "gradient_accumulation_steps": "train.gradient_accumulation_steps",
-        "train_batch_size": "train.per_device_batch_size x gradient_accumulation_steps x world",
-        "gradient_clipping": "train.max_grad_norm",
-    }
-    for key, value in ours.items():
-        theirs = user.get(key, "auto")
-        if theirs != "auto" and theirs != value:
-            raise ConfigError(
-                f"engine.deepspeed_config: {key} is {theirs!r} but {where[key]} gives {value!r}; "
-                'remove it from the DeepSpeed config or set it to "auto"'
-            )
-        user[key] = value
-    fp16 = user.get("fp16") or {}
-    if fp16.get("enabled") is True:
-        raise ConfigError(
-            "engine.deepspeed_config: fp16 is not supported (dynamic loss scaling skips "
-            "optimizer steps, which breaks exact resume); use train.bf16 true"
-        )
-    bf16 = dict(user.get("bf16") or {})
-    if bf16.get("enabled", "auto") not in ("auto", tc.bf16):
-        raise ConfigError(
-            f"engine.deepspeed_config: bf16.enabled is {bf16['enabled']!r} but train.bf16 is "
-            f"{tc.bf16!r}; set train.bf16 instead"
-        )
-    bf16["enabled"] = tc.bf16
-    user["bf16"] = bf16
-    zero = user.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"engine.deepspeed_config: zero_optimization.stage {stage!r}; 0-3")
-    if user.get("scheduler") is not None and user.get("optimizer") is None:
-        raise ConfigError(
-            "engine.deepspeed_config: a scheduler needs the optimizer named there too "
-            "(or drop the scheduler and use our scheduler section)"
-        )
-    user.setdefault("steps_per_print", 2**31 - 1)  # we log; DeepSpeed's own lines repeat ours
-    return user
 
 
 def _skip_shm_op_build() -> None:

@@ -35,6 +35,7 @@ from core.config import ConfigError
 from core.engines.base import Engine
 from core.engines.ddp import move_to_device
 from core.engines.named_state import param_names, to_names
+from core.engines.registry import EngineInputs
 from core.models import call_model
 from core.models.tiny_gpt import Block, TinyGPT
 from core.schedules import Schedule
@@ -264,3 +265,24 @@ class ShardedOptimizer:
         )
         state["param_groups"] = structure["param_groups"]
         set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+def build(inputs: EngineInputs) -> FSDPEngine:
+    """The registry's builder (core/engines/__init__.py)."""
+    if inputs.ready_optimizer is not None:
+        raise ConfigError(
+            "optimizer: a ready-made optimizer holds the unsharded parameters; with "
+            "engine.name fsdp pass optimizer_cls_and_kwargs (or set the optim section)"
+        )
+    config = inputs.config
+    fc = config.engine.fsdp
+    return FSDPEngine(
+        inputs.model,
+        inputs.make_optimizer,
+        inputs.make_schedule,
+        inputs.device,
+        wrap=fc["wrap"],
+        reshard_after_forward=fc["reshard_after_forward"],
+        bf16=config.train.bf16,
+        loss_fn=inputs.loss_fn,
+    )
