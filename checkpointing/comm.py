@@ -1,6 +1,6 @@
 """The few collectives checkpointing needs, on a CPU-capable group; no-ops on one process.
 
-Control messages (digests, the chosen checkpoint, stop requests) are small Python objects. They
+Control messages (digests, the chosen checkpoint) are small Python objects. They
 go over a gloo group even when training uses nccl, so they never synchronise the GPU stream.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 _CONTROL_GROUP: Any = None
@@ -60,12 +59,3 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
         obj, out if dist.get_rank() == 0 else None, dst=0, group=group or control_group()
     )
     return out
-
-
-def any_rank(flags: list[bool], group: Any = None) -> list[bool]:
-    """For each flag: true on every rank if it is true on any rank (one small all-reduce)."""
-    if not _active():
-        return list(flags)
-    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group or control_group())
-    return [bool(v) for v in t.tolist()]

@@ -15,7 +15,7 @@ from typing import Any
 
 from checkpointing.hf_export import HF_ENTRY, HFFiles
 from checkpointing.lease import LeaseLost
-from checkpointing.manager import CheckpointManager, CheckpointSaveError, Entry
+from checkpointing.manager import CheckpointSaveError, Entry
 from checkpointing.manifest import CheckpointError, read_manifest
 from checkpointing.restore import source_rank
 from checkpointing.rng import RNGState, rng_fingerprint
@@ -26,6 +26,7 @@ from core.config import Config, config_roles
 from core.data.sampler import ResumableDistributedSampler
 from core.elastic import crosses, saved_global_batch
 from core.engines.base import Engine
+from core.plan import RunPlan
 from core.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class RunCheckpointer:
     def __init__(
         self,
         config: Config,
-        manager: CheckpointManager,
+        plan: RunPlan,
         engine: Engine,
         sampler: ResumableDistributedSampler,
         state: TrainState,
@@ -98,7 +99,8 @@ class RunCheckpointer:
         hf_files: HFFiles | None = None,
     ) -> None:
         self.config = config
-        self.manager = manager
+        self.plan = plan
+        self.manager = plan.manager
         self.engine = engine
         self.sampler = sampler
         self.state = state
@@ -111,8 +113,6 @@ class RunCheckpointer:
         """(step, metrics) of the latest evaluation; a save at that step records the metric."""
         self.extra_state: Callable[[], dict[str, Stateful]] = dict
         """More global entries (callbacks with state), asked for at every save and load."""
-        self.sized_for: tuple[int, str] | None = None
-        """`core.elastic.sizing` of the checkpoint the run was built to resume."""
         self._pending_rng_check: str | None = None
         self._ended: list[SaveOutcome] = []
 
@@ -226,24 +226,17 @@ class RunCheckpointer:
                 logger.info("checkpoint-%d committed before exit", outcome.step)
 
     # -- resume --------------------------------------------------------------------------------
-    def prepare(self) -> None:
-        """Before the first step: honour resume_from (or overwrite), clean interrupted saves."""
-        cc = self.config.checkpoint
+    def restore(self) -> None:
+        """Before the first step, with the run's lease held: clean what interrupted saves left,
+        delete what run.overwrite replaces, load the planned checkpoint and check the result."""
         self.manager.clean_leftovers()
-        if cc.resume_from == "none" and self.manager.committed():
-            if not self.config.run.overwrite:
-                raise CheckpointError(
-                    f"checkpoint.resume_from: none, but {self.manager.root} holds checkpoints; "
-                    "set run.overwrite true to start afresh there, or resume_from latest"
-                )
-            if self.manager.rank == 0:
-                for _, name in self.manager.committed():
-                    logger.info("run.overwrite: deleting %s", name)
-                    self.manager.delete(name)
-        found = self.manager.resolve(cc.resume_from)
-        if found is None:
+        if self.manager.rank == 0:
+            for name in self.plan.stale:
+                logger.info("run.overwrite: deleting %s", name)
+                self.manager.delete(name)
+        if self.plan.resume is None:
             return
-        path, manifest = found
+        path, manifest = self.plan.resume
         self._check_trajectory(path, manifest.trajectory)
         self.manager.load(path, manifest, self.entries())
         now = self._checks()

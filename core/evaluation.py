@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from checkpointing.comm import any_rank, broadcast_object, gather_objects
+from checkpointing.comm import broadcast_object, gather_objects
 from checkpointing.rng import RNGState
+from core.agreement import any_rank
 from core.data.loader import WorkerSeeder, derive_seed
 from core.engines.ddp import move_to_device
 

@@ -26,16 +26,15 @@ from checkpointing.comm import control_group
 from checkpointing.hf_export import write_hf_model
 from checkpointing.holder import Holder
 from checkpointing.lease import Lease, LeaseLost, acquire
-from checkpointing.manager import CheckpointManager
-from checkpointing.serialize import load_state, write_safetensors
-from core.autobatch import SEARCH_STEPS, halved, is_oom, release_memory, with_batch
+from checkpointing.serialize import write_safetensors
+from core.autobatch import SEARCH_STEPS, halved, is_oom, release_memory
 from core.callbacks import TrainerCallback
 from core.config import Config, dump_config, load_config
-from core.elastic import sizing
 from core.loop import DistInfo, TrainLoop
+from core.plan import RunPlan, open_checkpoint_storage, plan_run
 from core.reporting.memory import StageMemory
 from core.reporting.reporters import finish_attempt
-from core.run import UserParts, build_trainer, open_checkpoint_storage
+from core.run import UserParts, build_trainer
 from core.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -124,12 +123,14 @@ class Trainer:
                 resume_from=_resume_value(resume_from_checkpoint, self.args),
             ),
         )
+        self._asked = config
         t0 = time.perf_counter()
         try:
+            plan = plan_run(config, self.dist_info)
             if config.train.auto_find_batch_size:
-                state = self._train_searching_batch(config)
+                state = self._train_searching_batch(plan)
             else:
-                state = self._train_once(config)
+                state = self._train_once(plan)
         finally:
             if self._lease is not None:
                 self._lease.release()  # nothing when lost: the run is another job's now
@@ -155,40 +156,43 @@ class Trainer:
             group=control_group(),
         )
 
-    def _build(self, config: Config, memory: StageMemory) -> TrainLoop:
+    def _build(self, plan: RunPlan, memory: StageMemory) -> TrainLoop:
         with memory.stage("init"):
             return build_trainer(
-                config,
+                plan.config,
                 self.dist_info,
                 self.device,
                 callbacks=self.callbacks,
                 stop_requested=self.stop_requested,
                 parts=self.parts,
                 memory=memory,
+                plan=plan,
             )
 
-    def _train_once(self, config: Config) -> TrainState:
+    def _train_once(self, plan: RunPlan) -> TrainState:
         memory = StageMemory(self.device)
-        self.loop = self._build(config, memory)
+        self.loop = self._build(plan, memory)
         # Building reads the run (the checkpoint to resume) and writes nothing: bad input
         # fails before the lease. Before anything of the run is written, one job holds it.
         if self._lease is None:
-            self._lease = self._acquire_lease(config)
-            checkpointer = self.loop.checkpointer
+            self._lease = self._acquire_lease(plan.config)
             # Only a job that waited can find the run changed: the holder wrote meanwhile.
-            if self._lease.waited and checkpointer.sized_for != sizing(
-                checkpointer.manager.peek(config.checkpoint.resume_from)
-            ):
-                # Another job wrote the run meanwhile (on other ranks, say): size it anew.
-                if self.dist_info.is_main:
-                    logger.info("the run changed while waiting for its lease: building it again")
-                self.loop = self._build(config, memory)
-        self.loop.checkpointer.manager.lease = self._lease
+            if self._lease.waited:
+                fresh = plan_run(self._asked, self.dist_info, plan.manager)
+                if fresh.resumes != plan.resumes:
+                    if self.dist_info.is_main:
+                        logger.info(
+                            "the run changed while waiting for its lease: building it again"
+                        )
+                    plan = fresh
+                    self.loop = self._build(plan, memory)
+        plan.manager.lease = self._lease
+        self._plan = plan
         if self.dist_info.is_main:  # only once everything was built: bad input writes nothing
-            out = Path(config.run.output_dir)
+            out = Path(plan.config.run.output_dir)
             out.mkdir(parents=True, exist_ok=True)
-            # What runs: the loop's config (a resume on other ranks may adjust accumulation).
-            (out / "config.yaml").write_text(dump_config(self.loop.config))
+            # What runs: the planned config (a resume on other ranks may adjust accumulation).
+            (out / "config.yaml").write_text(dump_config(plan.config))
         try:
             state = self.loop.train()
         except LeaseLost:  # history.jsonl is the new holder's now: nothing more is recorded
@@ -199,19 +203,17 @@ class Trainer:
         finish_attempt(self.loop.callbacks, state.global_step, preempted=self.loop.preempted)
         return state
 
-    def _train_searching_batch(self, config: Config) -> TrainState:
-        """auto_find_batch_size: start at the size a resumed checkpoint recorded, else search
-        down from the configured one while out-of-memory errors come in the first steps."""
-        recorded = self._recorded_batch(config)
-        if recorded is not None:
-            config = with_batch(config, *recorded)
+    def _train_searching_batch(self, plan: RunPlan) -> TrainState:
+        """auto_find_batch_size: start at the size a resumed checkpoint recorded (the plan
+        holds it), else search down from the configured one while out-of-memory errors come
+        in the first steps."""
         # A model object (not model_init) keeps the weights a failed attempt stepped.
         initial = None
         if self.parts.model is not None:
             initial = {k: v.detach().clone() for k, v in self.parts.model.state_dict().items()}
         while True:
             try:
-                return self._train_once(config)
+                return self._train_once(plan)
             except Exception as e:
                 if (
                     not is_oom(e)
@@ -221,25 +223,9 @@ class Trainer:
                     raise
                 self.loop = None
                 release_memory()
-                config = halved(config)
+                plan = self._plan.with_config(halved(self._plan.config))
                 if initial is not None:
                     self.parts.model.load_state_dict(initial)
-
-    def _recorded_batch(self, config: Config) -> tuple[int, int] | None:
-        manager = CheckpointManager(
-            open_checkpoint_storage(config, self.dist_info.world_size),
-            self.dist_info.rank,
-            self.dist_info.world_size,
-            group=control_group(),
-            storage_options=config.checkpoint.storage_options,
-        )
-        found = manager.resolve(config.checkpoint.resume_from)
-        if found is None:
-            return None
-        state = load_state(found[0], "train_state", found[1].files)
-        if state.get("per_device_batch_size") is None:
-            return None
-        return state["per_device_batch_size"], state["gradient_accumulation_steps"]
 
     def save_model(self, output_dir: str | Path | None = None) -> Path | None:
         """Write the trained model's full weights (ZeRO shards gathered, fp32 master values
@@ -267,9 +253,10 @@ class Trainer:
             self.loop = build_trainer(
                 self.args, self.dist_info, self.device, callbacks=self.callbacks, parts=self.parts
             )
-        if self.loop.evaluator is None:
+        evaluate = self.loop.validator.evaluate
+        if evaluate is None:
             raise ValueError("no evaluation data: pass eval_dataset or set eval.strategy")
-        metrics = self.loop.evaluator()
+        metrics = evaluate()
         if metrics is None:
             raise RuntimeError("evaluation interrupted by a stop request")
         return metrics

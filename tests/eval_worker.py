@@ -15,7 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpointing.comm import any_rank, reset_control_group
+from checkpointing.comm import reset_control_group
+from core.agreement import any_rank
 from core.data import collate
 from core.evaluation import EvalPrediction, evaluate
 from core.models.tiny_gpt import TinyGPT

@@ -51,7 +51,7 @@ def run_dir(trained, tmp_path) -> Path:
 
 def resume_step(run_dir: Path, *overrides: str) -> int:
     trainer = trainer_for(run_dir, *overrides)
-    trainer.checkpointer.prepare()
+    trainer.checkpointer.restore()
     return trainer.state.global_step
 
 
@@ -121,7 +121,7 @@ def as_format_1(checkpoint: Path) -> None:
 
 def loaded_state(run_dir: Path, *overrides: str) -> dict[str, torch.Tensor]:
     trainer = trainer_for(run_dir, *overrides)
-    trainer.checkpointer.prepare()
+    trainer.checkpointer.restore()
     return {
         **{f"model.{k}": v for k, v in trainer.engine.model.state_dict().items()},
         **{

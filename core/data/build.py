@@ -25,7 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch.distributed as dist
 
-from checkpointing.comm import any_rank, broadcast_object
+from checkpointing.comm import broadcast_object
+from core.agreement import any_rank
 from core.config import DataConfig
 from core.data.chat import SKIP_REASONS, check_template, encode_chat, skip_report
 from core.data.errors import DataError

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checkpointing.comm import any_rank
 from checkpointing.manifest import CheckpointError
 from checkpointing.stateful import DirectoryState, Stateful
+from core.agreement import any_rank
 from core.config import ConfigError
 from core.engines.base import Engine
 from core.engines.ddp import move_to_device

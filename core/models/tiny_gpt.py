@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from core.reporting.memory import tiny_gpt_flops
+
 VOCAB_SIZE = 256  # one token per byte
 IGNORE_INDEX = -100
 
@@ -74,6 +76,13 @@ class TinyGPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2
         self.gradient_checkpointing = False
         self.apply(self._init_weights)
+
+    def training_flops(self, tokens: int, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) of `tokens` tokens at context `seq_len`
+        (core.reporting.memory.tiny_gpt_flops; position embeddings left out)."""
+        n_params = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+        n_embd = self.wpe.embedding_dim
+        return tiny_gpt_flops(n_params, len(self.blocks), n_embd, seq_len, tokens)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
