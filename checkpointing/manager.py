@@ -74,7 +74,7 @@ class _Snapshot:
     t0: float = field(default_factory=time.perf_counter)
 
 
-class CheckpointManager(Housekeeping):
+class CheckpointManager:
     """Owns `<root>/checkpoint-<step>`: save (sync or in the background), find, verify, load,
     retain."""
 
@@ -96,13 +96,15 @@ class CheckpointManager(Housekeeping):
         """The run's lease (checkpointing/lease.py): checked right before every commit, rename
         and delete; None writes without one."""
         self._restorer = Restorer(self.storage, rank, world_size, group, storage_options)
+        # Retention by save_total_limit, ranking by the metric a save records in
+        # checks["metric"]["value"] (greater_is_better), deletes and leftovers.
+        self.housekeeping = Housekeeping(
+            self.storage, rank, save_total_limit, greater_is_better, self._fence
+        )
         self.rank = rank
         self.world_size = world_size
-        self.save_total_limit = save_total_limit
         self.engine = engine
         self.group = group  # a CPU (gloo) group for control messages; None: the default one
-        # How to rank checkpoints by the metric a save records in checks["metric"]["value"].
-        self.greater_is_better = greater_is_better
         self.async_save = async_save
         # The writer thread's collectives must never interleave with the training thread's.
         self._writer_group = None
@@ -111,6 +113,32 @@ class CheckpointManager(Housekeeping):
         self._staging = Staging()
         self._inflight: BackgroundSave | None = None
         self._finished: list[SaveOutcome] = []
+
+    @property
+    def root(self) -> str:
+        return self.storage.display()
+
+    def _fence(self, what: str) -> None:
+        """Raise LeaseLost unless this job still holds the run's lease."""
+        if self.lease is not None:
+            self.lease.check(what)
+
+    # Retention and cleaning: checkpointing/retention.py.
+    def committed(self) -> list[tuple[int, str]]:
+        """Checkpoints whose manifest exists (not verified), newest first."""
+        return self.housekeeping.committed()
+
+    def best(self) -> str | None:
+        """The committed checkpoint with the best recorded metric (the newest among ties)."""
+        return self.housekeeping.best()
+
+    def delete(self, name: str) -> None:
+        """Remove a committed checkpoint (fenced by the lease, retried)."""
+        self.housekeeping.delete(name)
+
+    def clean_leftovers(self) -> None:
+        """Remove what interrupted saves left (rank 0, before any save)."""
+        self.housekeeping.clean_leftovers()
 
     # -- save ----------------------------------------------------------------------------------
     def save(
@@ -215,7 +243,7 @@ class CheckpointManager(Housekeeping):
         error = None
         if self.rank == 0:
             try:
-                self._store(
+                self.housekeeping.store(
                     f"preparing {self.storage.display(target)}",
                     lambda: self._prepare_target(target),
                 )
@@ -358,7 +386,7 @@ class CheckpointManager(Housekeeping):
             self._fence(f"committing {final}")
             target.write_bytes(MANIFEST, data)  # the commit marker, written last
             target.sync_dir()
-            self._rename_into_place(snap.target, final)
+            self.housekeeping.rename_into_place(snap.target, final)
         else:
             # Every object is confirmed written (each rank's upload returned): the manifest
             # object is the commit.
@@ -374,7 +402,7 @@ class CheckpointManager(Housekeeping):
             time.perf_counter() - snap.t0,
             manifest.total_bytes / 1e6,
         )
-        self._retain(keep=final)
+        self.housekeeping.retain(keep=final)
 
     # -- find and load ------------------------------------------------------------------------
     def resolve(self, resume_from: str) -> tuple[Storage, Manifest] | None:

@@ -1,8 +1,8 @@
 """What a checkpoint manager does around its saves: fencing with the lease, putting a save in
 place, retention, deletes, and cleaning what interrupted saves left.
 
-`Housekeeping` is CheckpointManager's base (checkpointing/manager.py); it uses the manager's
-`storage`, `lease`, `rank`, `save_total_limit` and `greater_is_better`.
+A CheckpointManager (checkpointing/manager.py) holds one `Housekeeping` over its storage and
+hands it the fence: the manager's check that this job still holds the run's lease.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
-from checkpointing.lease import CLAIMS, LEASE, Lease, LeaseLost
+from checkpointing.lease import CLAIMS, LEASE, LeaseLost
 from checkpointing.manifest import MANIFEST, checkpoint_step, list_committed, read_manifest
 from checkpointing.retry import retrying
 from checkpointing.storage import Storage
@@ -25,24 +25,29 @@ TRASH_PREFIX = ".trash-"
 
 
 class Housekeeping:
-    """Fencing, retention, deletes and leftovers of the checkpoints under `storage`."""
+    """Putting saves in place, retention, deletes and leftovers of the checkpoints under
+    `storage`. `fence(what)` raises LeaseLost unless this job still holds the run's lease: it is
+    called right before every rename and delete."""
 
-    storage: Storage
-    lease: Lease | None
-    rank: int
-    save_total_limit: int | None
-    greater_is_better: bool
+    def __init__(
+        self,
+        storage: Storage,
+        rank: int,
+        save_total_limit: int | None,
+        greater_is_better: bool,
+        fence: Callable[[str], None],
+    ) -> None:
+        self.storage = storage
+        self.rank = rank
+        self.save_total_limit = save_total_limit
+        self.greater_is_better = greater_is_better
+        self._fence = fence
 
     @property
     def root(self) -> str:
         return self.storage.display()
 
-    def _fence(self, what: str) -> None:
-        """Raise LeaseLost unless this job still holds the run's lease."""
-        if self.lease is not None:
-            self.lease.check(what)
-
-    def _rename_into_place(self, tmp: str, final: str) -> None:
+    def rename_into_place(self, tmp: str, final: str) -> None:
         self._fence(f"renaming {tmp} to {final}")
         if self.storage.exists(final):
             # An earlier attempt at this step: uncommitted, corrupt, or left by a run that was
@@ -53,7 +58,7 @@ class Housekeeping:
         self.storage.sync_dir()
         self._empty_trash()
 
-    def _retain(self, keep: str) -> None:
+    def retain(self, keep: str) -> None:
         """Delete the oldest committed checkpoints beyond save_total_limit, never the one just
         written nor the best by the recorded metric. A store error here is logged: the new
         checkpoint is committed, and the next save tries again."""
@@ -85,7 +90,7 @@ class Housekeeping:
     def delete(self, name: str) -> None:
         """Remove a checkpoint so that no instant shows it committed with files missing
         (retried; StorageError when the store keeps failing)."""
-        self._store(f"deleting {self.storage.display(name)}", lambda: self._delete(name))
+        self.store(f"deleting {self.storage.display(name)}", lambda: self._delete(name))
 
     def _delete(self, name: str) -> None:
         self._fence(f"deleting {self.storage.display(name)}")
@@ -110,7 +115,7 @@ class Housekeeping:
         """Remove what interrupted saves left (rank 0, before any save): temp and trash
         directories, and on object stores `checkpoint-<step>/` objects without a manifest."""
         if self.rank == 0:
-            self._store(f"cleaning {self.root}", self._clean_leftovers)
+            self.store(f"cleaning {self.root}", self._clean_leftovers)
 
     def _clean_leftovers(self) -> None:
         self._fence(f"cleaning {self.root}")
@@ -131,8 +136,8 @@ class Housekeeping:
 
     def committed(self) -> list[tuple[int, str]]:
         """Checkpoints whose manifest exists (not verified), newest first."""
-        return self._store(f"listing {self.root}", lambda: list_committed(self.storage))
+        return self.store(f"listing {self.root}", lambda: list_committed(self.storage))
 
-    def _store(self, what: str, fn: Callable[[], T]) -> T:
+    def store(self, what: str, fn: Callable[[], T]) -> T:
         """A store operation of the training thread, retried; StorageError when it fails."""
         return retrying(what, fn, self.storage.retries)

@@ -20,7 +20,8 @@ from core.callbacks import TrainerCallback
 from core.config import ConfigError, load_config
 from core.engines.named_state import OptimizerState
 from core.loop import DistInfo
-from core.run import build_trainer, open_checkpoint_storage
+from core.plan import open_checkpoint_storage
+from core.run import build_trainer
 from launcher.status import run_status
 from tests.checkpoints import Weights, assert_tensors_equal, load_entry, memory_url
 from tests.launch import SMALL
@@ -105,7 +106,7 @@ def test_object_store_commit_protocol(monkeypatch):
     monkeypatch.setattr(
         FsspecStorage, "remove", lambda self, rel: (removed.append(self._p(rel)), remove(self, rel))
     )
-    manager._delete("checkpoint-2")
+    manager.housekeeping._delete("checkpoint-2")
     assert [p.rsplit("/run/", 1)[1] for p in removed] == [
         "checkpoint-2/manifest.json",
         "checkpoint-2",
