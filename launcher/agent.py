@@ -76,6 +76,22 @@ def agreed_code(codes: dict[int, int], local_world_size: int | None) -> int | No
     return values.pop() if len(values) == 1 else None
 
 
+def first_failure_code(
+    failed: dict[int, int], recorded: dict[int, int], local_world_size: int | None
+) -> int | None:
+    """When torchrun failed on its own: the code the workers that ended by themselves agree on.
+
+    A worker that never reached exit_worker (killed, or another entry point) has the code
+    torchrun saw; one torchrun stopped with SIGTERM after the first failure, before it could
+    say anything (a slow peer still loading when rank 0 refused the config), is collateral and
+    not counted, as long as some worker said something."""
+    merged = {**failed, **recorded}
+    if local_world_size is None or len(merged) != local_world_size:
+        return None
+    deciding = {r: c for r, c in merged.items() if c != -signal.SIGTERM}
+    return agreed_code(deciding, len(deciding)) if deciding else None
+
+
 def _local_world_size(nproc_per_node: str) -> int | None:
     from torch.distributed.run import determine_local_world_size
 
@@ -112,10 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     local_world_size = _local_world_size(args.nproc_per_node)
     code = agreed_code(codes, local_world_size)
     if code is None and failure is not None and stopped_by is None:
-        # Workers that never reached exit_worker (killed, or another entry point): torchrun
-        # knows the codes of the ones that failed.
         failed = {f.local_rank: f.exitcode for f in failure.failures.values()}
-        code = agreed_code(failed, local_world_size)
+        code = first_failure_code(failed, codes, local_world_size)
     if code == exit_codes.PREEMPTED:
         how = f"stopped by {stopped_by}" if stopped_by else "preempted"
         logger.warning(

@@ -79,6 +79,17 @@ def kill_tree(proc: subprocess.Popen) -> None:
         except psutil.NoSuchProcess:
             pass
     proc.wait()
+    # A SIGKILLed process can take a moment to die on a loaded machine (in the kernel, say):
+    # a lost node's processes are gone, so wait until each is (or is a zombie nobody reaped).
+    deadline = time.monotonic() + 30
+    for p in procs:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
 
 
 def run(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from checkpointing.manifest import list_checkpoints
-from launcher.agent import agreed_code, recorded_codes
+from launcher.agent import agreed_code, first_failure_code, recorded_codes
 from tests.launch import REPO, SMALL, child_env, kill_tree, logged_steps, wait_for
 
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -54,6 +54,16 @@ def test_recorded_codes_are_the_last_attempts(tmp_path):
     assert agreed_code({0: 75}, 2) is None  # a worker that said nothing (SIGKILLed)
     assert agreed_code({0: 75, 1: 1}, 2) is None
     assert agreed_code({0: 2, 1: 2}, None) is None  # the worker count is unknown
+
+
+def test_a_peer_torchrun_stopped_before_it_could_say_does_not_count():
+    # rank 0 refused the config (exit 2, recorded); rank 1, still loading, was stopped by
+    # torchrun with SIGTERM before it reached the config: the run's code is 2
+    assert first_failure_code({0: 2, 1: -15}, {0: 2}, 2) == 2
+    assert first_failure_code({1: 1, 0: -15}, {1: 1}, 2) == 1  # a crash stays a crash
+    assert first_failure_code({0: 2, 1: -9}, {0: 2}, 2) is None  # SIGKILLed: unknown
+    assert first_failure_code({0: -15, 1: -15}, {}, 2) is None  # nobody said anything
+    assert first_failure_code({0: 2}, {0: 2}, 2) is None  # rank 1 unaccounted for
 
 
 def test_a_signal_to_the_agent_exits_75_without_a_traceback(tmp_path):
