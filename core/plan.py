@@ -18,7 +18,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from checkpointing.comm import control_group
+from checkpointing.comm import broadcast_object, control_group
 from checkpointing.manager import CheckpointManager
 from checkpointing.manifest import CheckpointError, Manifest
 from checkpointing.redact import display_url
@@ -43,6 +43,13 @@ class RunPlan:
     """The verified checkpoint to load before the first step; None: a fresh start."""
     stale: tuple[str, ...] = ()
     """Checkpoints a fresh start deletes first (run.overwrite with resume_from none)."""
+    seen: str | None = None
+    """The newest committed checkpoint when the plan was made (None: none)."""
+
+    def outdated(self) -> bool:
+        """Whether a checkpoint was committed (or deleted) since the plan was made; every rank
+        gets rank 0's answer. Once this job holds the run's lease, nobody else commits."""
+        return broadcast_object(_newest(self.manager)) != self.seen
 
     @property
     def resumes(self) -> str | None:
@@ -92,6 +99,7 @@ def plan_run(
     and gets the same plan). Bad resume input raises here, before anything is built."""
     manager = manager or open_manager(config, dist_info)
     cc = config.checkpoint
+    seen = broadcast_object(_newest(manager))
     if cc.resume_from == "none":
         committed = tuple(name for _, name in manager.committed())
         if committed and not config.run.overwrite:
@@ -99,14 +107,20 @@ def plan_run(
                 f"checkpoint.resume_from: none, but {manager.root} holds checkpoints; "
                 "set run.overwrite true to start afresh there, or resume_from latest"
             )
-        return RunPlan(config, manager, stale=committed)
+        return RunPlan(config, manager, stale=committed, seen=seen)
     found = manager.resolve(cc.resume_from)
     if found is None:
-        return RunPlan(config, manager)
+        return RunPlan(config, manager, seen=seen)
     manifest = found[1]
     if config.train.auto_find_batch_size:
         config = _at_recorded_batch(config, found)
-    return RunPlan(fit_world_size(config, manifest, dist_info.world_size), manager, found)
+    fitted = fit_world_size(config, manifest, dist_info.world_size)
+    return RunPlan(fitted, manager, found, seen=seen)
+
+
+def _newest(manager: CheckpointManager) -> str | None:
+    committed = manager.committed() if manager.rank == 0 else []
+    return committed[0][1] if committed else None
 
 
 def _at_recorded_batch(config: Config, found: tuple[Storage, Manifest]) -> Config:

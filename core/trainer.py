@@ -176,14 +176,14 @@ class Trainer:
         # fails before the lease. Before anything of the run is written, one job holds it.
         if self._lease is None:
             self._lease = self._acquire_lease(plan.config)
-            # Only a job that waited can find the run changed: the holder wrote meanwhile.
-            if self._lease.waited:
+            # The job that held the run until now may have committed since the plan was made
+            # (while this one waited, or right before it released): plan again, then.
+            if self._lease.waited or plan.outdated():
                 fresh = plan_run(self._asked, self.dist_info, plan.manager)
-                if fresh.resumes != plan.resumes:
+                if (fresh.resumes, fresh.stale) != (plan.resumes, plan.stale):
                     if self.dist_info.is_main:
-                        logger.info(
-                            "the run changed while waiting for its lease: building it again"
-                        )
+                        when = "while waiting for" if self._lease.waited else "before taking"
+                        logger.info("the run changed %s its lease: building it again", when)
                     plan = fresh
                     self.loop = self._build(plan, memory)
         plan.manager.lease = self._lease
