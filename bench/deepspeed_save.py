@@ -59,7 +59,8 @@ def measure(args: argparse.Namespace) -> None:
 
     from checkpointing.manager import CheckpointManager, Entry
     from core.config import load_config
-    from core.engines.deepspeed import DeepSpeedEngine, resolve_deepspeed_config
+    from core.engines.deepspeed import DeepSpeedEngine
+    from core.engines.deepspeed_config import resolve_deepspeed_config
     from core.models.tiny_gpt import TinyGPT
     from core.optim import parameter_groups
     from core.schedules import build_schedule

@@ -410,11 +410,6 @@ class CheckpointManager:
         gets the same answer. See checkpointing/restore.py."""
         return self._restorer.resolve(resume_from)
 
-    def peek(self, resume_from: str) -> Manifest | None:
-        """The manifest `resolve` will most likely pick, not verified; every rank gets the
-        same answer. See checkpointing/restore.py."""
-        return self._restorer.peek(resume_from)
-
     def load(self, where: Storage, manifest: Manifest, entries: dict[str, Entry]) -> None:
         """Restore every entry from a verified checkpoint, in the mapping's order."""
         self._restorer.load(where, manifest, entries)

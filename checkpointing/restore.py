@@ -92,30 +92,6 @@ class Restorer:
                 return storage, found
         return None
 
-    def peek(self, resume_from: str) -> Manifest | None:
-        """The manifest `resolve` will most likely pick, read but not verified (every rank
-        gets the same answer): for planning a run before its state exists (e.g. a resume on
-        another number of ranks). Anything unreadable is left to `resolve` to report."""
-        if resume_from == "none":
-            return None
-        found: Any = None
-        if self.rank == 0:
-            try:
-                if resume_from != "latest":
-                    storage = open_storage(resume_from, self.storage_options, self.storage.retries)
-                    found = read_manifest(storage)
-                else:
-                    for name in self._names():
-                        try:
-                            found = read_manifest(self.storage.child(name))
-                            break
-                        except CheckpointError:
-                            continue
-            except Exception as e:
-                logger.warning("could not read the checkpoint to resume ahead of time: %s", e)
-                found = None
-        return broadcast_object(found, self.group)
-
     def _verify_together(self, storage: Storage, explicit: bool) -> Manifest | None:
         manifest: Any = None
         if self.rank == 0:

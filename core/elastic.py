@@ -7,7 +7,6 @@ Elastic rules: see docs/elastic.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from typing import Any
 
@@ -27,14 +26,6 @@ def saved_global_batch(saved: dict[str, Any]) -> int | None:
     if per_rank is None and "train.per_device_batch_size" in saved:
         per_rank = saved["train.per_device_batch_size"] * saved["train.gradient_accumulation_steps"]
     return None if per_rank is None else per_rank * saved["world_size"]
-
-
-def sizing(saved: Manifest | None) -> tuple[int, str] | None:
-    """What `fit_world_size` reads of a checkpoint: a run built for one value must be built
-    again for another (another job wrote the run while this one waited for its lease)."""
-    if saved is None:
-        return None
-    return saved.world_size, json.dumps(saved.trajectory, sort_keys=True, default=str)
 
 
 def fit_world_size(config: Config, saved: Manifest | None, world_size: int) -> Config:

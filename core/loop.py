@@ -25,7 +25,6 @@ from core.data.sampler import ResumableDistributedSampler
 from core.data.store import uniform_length
 from core.dist_info import DistInfo
 from core.engines.base import Engine
-from core.plan import plan_steps
 from core.reporting.memory import StageMemory
 from core.reporting.step_log import StepLog
 from core.state import TrainState
@@ -33,7 +32,7 @@ from core.validator import Validator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistInfo", "TrainLoop", "plan_steps"]  # plan_steps: its home was here
+__all__ = ["DistInfo", "TrainLoop"]
 
 
 class TrainLoop:

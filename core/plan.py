@@ -7,8 +7,9 @@
 The plan resolves `checkpoint.resume_from` to one verified checkpoint (or none), reads what it
 recorded (world size, trajectory, the batch auto_find_batch_size found) and fits the config to
 this number of ranks. The builder and the checkpointer take it as a plain value: nothing after
-this stage looks for a checkpoint again. Only a job that waited for the run's lease re-plans
-(core/trainer.py): the job that held the lease meanwhile may have written newer checkpoints.
+this stage looks for a checkpoint again, except once the run's lease is taken (core/trainer.py):
+a job that waited for it, or that finds a commit newer than the plan saw (the previous holder's
+last save), plans again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from checkpointing.manifest import CheckpointError, Manifest
 from checkpointing.redact import display_url
 from checkpointing.serialize import load_state
 from checkpointing.storage import Storage, is_private_to_process, open_storage
+from core.autobatch import with_batch
 from core.config import Config, ConfigError, metric_greater_is_better
 from core.data.sampler import ResumableDistributedSampler
 from core.dist_info import DistInfo
@@ -129,12 +131,7 @@ def _at_recorded_batch(config: Config, found: tuple[Storage, Manifest]) -> Confi
     state = load_state(found[0], "train_state", found[1].files)
     if state.get("per_device_batch_size") is None:
         return config
-    train = dataclasses.replace(
-        config.train,
-        per_device_batch_size=state["per_device_batch_size"],
-        gradient_accumulation_steps=state["gradient_accumulation_steps"],
-    )
-    return dataclasses.replace(config, train=train)
+    return with_batch(config, state["per_device_batch_size"], state["gradient_accumulation_steps"])
 
 
 def plan_steps(config: Config, sampler: ResumableDistributedSampler) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from checkpointing.manifest import list_checkpoints, read_manifest, verify
 from core.config import ConfigError, load_config
-from core.engines.deepspeed import resolve_deepspeed_config
+from core.engines.deepspeed_config import resolve_deepspeed_config
 from tests.checkpoints import (
     assert_same_losses,
     assert_tensors_equal,

@@ -35,7 +35,6 @@ from core.agreement import any_rank
 from core.config import ConfigError
 from core.engines.base import Engine
 from core.engines.ddp import move_to_device
-from core.engines.deepspeed_config import resolve_deepspeed_config  # noqa: F401 (its home before)
 from core.models import call_model
 from core.schedules import Schedule
 
