@@ -37,6 +37,27 @@ OVERRIDES = [
 ]  # fmt: skip
 
 
+def enter_copy(tmp_path: Path, monkeypatch) -> Path:
+    """A copy of the fixture at `tmp_path`, made the working directory (its corpus is named
+    relatively)."""
+    shutil.copytree(FIXTURE, tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def began_at():
+    """A callback recording the step train() began at (in `.step`)."""
+    from core.callbacks import TrainerCallback
+
+    class BeganAt(TrainerCallback):
+        step: int | None = None
+
+        def on_train_begin(self, config, state, control):
+            self.step = state.global_step
+
+    return BeganAt()
+
+
 def config(output_dir: Path):
     """The run's config, writing into `output_dir`."""
     from core.config import load_config

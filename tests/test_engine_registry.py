@@ -73,8 +73,7 @@ def _config(run, engine: str):
 def test_a_registered_engine_trains_and_resumes_bit_identically(
     tmp_path, monkeypatch, plain_engine
 ):
-    shutil.copy(prechange.FIXTURE / "corpus.txt", tmp_path / "corpus.txt")
-    monkeypatch.chdir(tmp_path)
+    prechange.enter_copy(tmp_path, monkeypatch)
     assert "plain" in engine_names()
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     Trainer(args=_config(whole, plain_engine)).train()
@@ -92,7 +91,6 @@ def test_a_registered_engine_trains_and_resumes_bit_identically(
 
 
 def test_an_unregistered_engine_is_a_config_error(tmp_path, monkeypatch):
-    shutil.copy(prechange.FIXTURE / "corpus.txt", tmp_path / "corpus.txt")
-    monkeypatch.chdir(tmp_path)
+    prechange.enter_copy(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match="engine.name"):
         _config(tmp_path, "plain")

@@ -9,22 +9,14 @@ import shutil
 
 import pytest
 
-from core.callbacks import TrainerCallback
 from core.trainer import Trainer
 from tests import prechange
 from tests.checkpoints import assert_same_checkpoint
 
 
-class BeganAt(TrainerCallback):
-    def on_train_begin(self, config, state, control):
-        self.step = state.global_step
-
-
 @pytest.fixture
 def in_fixture_copy(tmp_path, monkeypatch):
-    shutil.copytree(prechange.FIXTURE, tmp_path, dirs_exist_ok=True)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+    return prechange.enter_copy(tmp_path, monkeypatch)
 
 
 def test_a_checkpoint_committed_before_the_lease_is_the_one_resumed(
@@ -42,7 +34,7 @@ def test_a_checkpoint_committed_before_the_lease_is_the_one_resumed(
 
     monkeypatch.setattr(Trainer, "_acquire_lease", commit_then_take)
     run.mkdir()
-    began = BeganAt()
+    began = prechange.began_at()
     with caplog.at_level(logging.INFO, logger="core.trainer"):
         out = Trainer(args=prechange.config(run), callbacks=[began]).train()
     assert (began.step, out.global_step) == (3, 6)

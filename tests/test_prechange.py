@@ -9,7 +9,6 @@ import shutil
 import pytest
 import torch
 
-from core.callbacks import TrainerCallback
 from core.trainer import Trainer
 from tests import prechange
 from tests.checkpoints import assert_same_checkpoint, assert_same_losses
@@ -19,17 +18,9 @@ from tests.checkpoints import assert_same_checkpoint, assert_same_losses
 FIXTURE_TORCH = "2.13.0"
 
 
-class BeganAt(TrainerCallback):
-    def on_train_begin(self, config, state, control):
-        self.step = state.global_step
-
-
 @pytest.fixture
 def in_fixture_copy(tmp_path, monkeypatch):
-    """A copy of the fixture as the working directory (its corpus is named relatively)."""
-    shutil.copytree(prechange.FIXTURE, tmp_path, dirs_exist_ok=True)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+    return prechange.enter_copy(tmp_path, monkeypatch)
 
 
 def test_prechange_checkpoint_resumes_bit_identically(in_fixture_copy):
@@ -39,7 +30,7 @@ def test_prechange_checkpoint_resumes_bit_identically(in_fixture_copy):
     step = prechange.STEP
     shutil.copytree(fixture / f"checkpoint-{step}", resumed / f"checkpoint-{step}")
     shutil.copy(fixture / "metrics.jsonl", resumed / "metrics.jsonl")  # truncated on resume
-    began = BeganAt()
+    began = prechange.began_at()
     out = Trainer(args=prechange.config(resumed), callbacks=[began]).train()
     assert (began.step, out.global_step) == (step, 6)
 
