@@ -13,6 +13,7 @@ from typing import Any
 
 import blake3
 import torch
+from safetensors.torch import load_file
 
 from checkpointing.manifest import read_manifest
 from checkpointing.serialize import load_state
@@ -134,3 +135,22 @@ class Weights:
 def memory_url() -> str:
     """A fresh place in fsspec's memory:// store (object-store semantics, one process)."""
     return f"memory://test-{uuid.uuid4().hex[:8]}/run"
+
+
+_EXPORTS: dict[tuple[str, bytes], dict[str, torch.Tensor]] = {}
+
+
+def exported(checkpoint: Path, out: Path | None = None) -> dict[str, torch.Tensor]:
+    """The weights `python -m checkpointing export CHECKPOINT OUT` writes, run in this process:
+    a subprocess per export cost 5-10 s of imports (the CLI as a process is tested in
+    test_checkpoint_cli and in each engine's refusal of a corrupt file). A checkpoint exported
+    before, with the same manifest, is not exported again (the references of a module)."""
+    from checkpointing.cli import main
+
+    key = (str(checkpoint.resolve()), (checkpoint / "manifest.json").read_bytes())
+    if key not in _EXPORTS:
+        out = out or checkpoint.parent / f"{checkpoint.name}-{uuid.uuid4().hex[:8]}.safetensors"
+        code = main(["export", str(checkpoint), str(out)])
+        assert code == 0, f"export of {checkpoint} exited {code}"
+        _EXPORTS[key] = load_file(out)
+    return _EXPORTS[key]

@@ -24,6 +24,7 @@ from core.engines.deepspeed_config import resolve_deepspeed_config
 from tests.checkpoints import (
     assert_same_losses,
     assert_tensors_equal,
+    exported,
     flip_byte,
     seed_resume_dir,
 )
@@ -67,18 +68,9 @@ def ds_args(stage: int, *extra: str) -> tuple[str, ...]:
     )
 
 
-def export(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
-    cmd = [sys.executable, "-m", "checkpointing", "export", str(checkpoint), str(out)]
-    result = run(cmd, cwd=out.parent, timeout=120)
-    assert result.returncode == 0, result.output
-    return load_file(out)
-
-
 def assert_same_weights(a: Path, b: Path) -> None:
     """The consolidated fp32 weights of two checkpoints are equal, tensor by tensor."""
-    wa = export(a, a.parent / f"{a.name}.a.safetensors")
-    wb = export(b, b.parent / f"{b.name}.b.safetensors")
-    assert_tensors_equal(wa, wb, "weights")
+    assert_tensors_equal(exported(a), exported(b), "weights")
 
 
 def finish_like(ref: Path, run_dir: Path, args: tuple[str, ...]) -> str:
@@ -110,8 +102,7 @@ def reference(request, tmp_path_factory) -> tuple[int, Path]:
 def test_export_equals_the_live_model(reference):
     stage, ref = reference
     live = load_file(ref / "live" / "model.safetensors")
-    exported = export(ref / f"checkpoint-{STEPS}", ref.parent / "export.safetensors")
-    assert_tensors_equal(exported, live, f"zero{stage} export")
+    assert_tensors_equal(exported(ref / f"checkpoint-{STEPS}"), live, f"zero{stage} export")
     # Export verifies before DeepSpeed unpickles anything: a flipped bit is refused.
     bad = ref.parent / "corrupt"
     shutil.copytree(ref / f"checkpoint-{STEPS}", bad)
@@ -283,21 +274,19 @@ def test_a_single_process_without_torchrun_gets_a_clear_error(tmp_path):
     assert "engine.name: deepspeed runs under torchrun" in result.output
 
 
-def test_the_deepspeed_launcher_runs_the_same_job(tmp_path):
+@pytest.mark.parametrize("reference", [2], indirect=True, ids=["zero2"])
+def test_the_deepspeed_launcher_runs_the_same_job(tmp_path, reference):
     """`deepspeed --module launcher` (it appends --local_rank=N) trains what torchrun trains."""
-    args = (*ds_args(2), "--train.max_steps", "6")
-    ref = tmp_path / "torchrun"
-    result = run_launcher(ref, 2, *args)
-    assert result.returncode == 0, result.output
+    stage, ref = reference
     run_dir = tmp_path / "deepspeed"
     cmd = [
         *(str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2"),
         *("--master_port", str(free_port()), "--module", "launcher"),
         *("--config", str(REPO / "configs" / "tiny.yaml"), "--run.output_dir", str(run_dir)),
-        *args,
+        *ds_args(stage),
     ]
     result = run(cmd, cwd=tmp_path)
     assert result.returncode == 0, result.output
     assert "--local_rank=1" in result.output
     assert_same_losses(ref, run_dir)
-    assert_same_weights(ref / "checkpoint-6", run_dir / "checkpoint-6")
+    assert_same_weights(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")

@@ -20,13 +20,11 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from checkpointing.manifest import (
     CheckpointCorruptError,
@@ -42,6 +40,7 @@ from core.elastic import fit_world_size
 from tests.checkpoints import (
     assert_same_checkpoint,
     assert_same_losses,
+    exported,
     flip_byte,
     load_entry,
     seed_resume_dir,
@@ -55,7 +54,6 @@ from tests.launch import (
     kill_tree,
     logged_steps,
     read_metrics,
-    run,
     run_launcher,
 )
 
@@ -292,14 +290,6 @@ def test_fit_world_size_reshards_zero_1_and_2():
         assert fitted.train.gradient_accumulation_steps == 2
 
 
-def _exported(checkpoint: Path) -> dict[str, torch.Tensor]:
-    out = checkpoint.parent / f"{checkpoint.parent.name}.safetensors"
-    cmd = [sys.executable, "-m", "checkpointing", "export", str(checkpoint), str(out)]
-    result = run(cmd, cwd=checkpoint.parent, timeout=120)
-    assert result.returncode == 0, result.output
-    return load_file(out)
-
-
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed")
 @pytest.mark.parametrize(("stage", "saved_on", "resumed_on"), [(2, 2, 1), (1, 1, 2)])
 def test_deepspeed_zero_shards_reshard(tmp_path, stage, saved_on, resumed_on):
@@ -321,8 +311,8 @@ def test_deepspeed_zero_shards_reshard(tmp_path, stage, saved_on, resumed_on):
     losses = {m["step"]: m["loss"] for m in read_metrics(ref)}
     for m in read_metrics(res):
         assert m["loss"] == pytest.approx(losses[m["step"]], rel=LOSS_RTOL), m["step"]
-    a = _exported(ref / f"checkpoint-{STEPS}")
-    b = _exported(res / f"checkpoint-{STEPS}")
+    a = exported(ref / f"checkpoint-{STEPS}")
+    b = exported(res / f"checkpoint-{STEPS}")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=0, atol=WEIGHT_ATOL), k

@@ -31,6 +31,7 @@ from tests.checkpoints import (
     RunsCommand,
     assert_same_losses,
     assert_tensors_equal,
+    exported,
     file_record,
     rewrite_manifest_entry,
     seed_resume_dir,
@@ -186,17 +187,9 @@ def reference(tmp_path_factory) -> tuple[Path, str]:
     return ref, result.output
 
 
-def _exported(checkpoint: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    out = tmp / f"{checkpoint.parent.parent.name}-{checkpoint.name}.safetensors"
-    cmd = [sys.executable, "-m", "checkpointing", "export", str(checkpoint), str(out)]
-    result = run(cmd, cwd=tmp, timeout=120)
-    assert result.returncode == 0, result.output
-    return load_file(out)
-
-
 def assert_same_sharded(a: Path, b: Path, tmp: Path) -> None:
     """Exported weights, the whole optimizer state and the sampler/scheduler equal."""
-    assert_tensors_equal(_exported(a, tmp), _exported(b, tmp), "model")
+    assert_tensors_equal(exported(a), exported(b), "model")
     ma, mb = verify(a), verify(b)
     assert_tensors_equal(
         read_entry(LocalStorage(a), ma, "optimizer"), read_entry(LocalStorage(b), mb, "optimizer")
