@@ -13,6 +13,7 @@ import yaml
 
 from checkpointing.deepspeed_files import deepspeed_weights
 from checkpointing.digest import recorded
+from checkpointing.encoding import StateFormatError
 from checkpointing.hf_export import DEFAULT_MAX_SHARD_SIZE, HF_ENTRY, HFFiles, write_hf_model
 from checkpointing.manifest import CheckpointError, list_checkpoints, verify
 from checkpointing.retention import TMP_PREFIX
@@ -103,7 +104,7 @@ def cmd_export(
             size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
             print(f"exported a Hugging Face model directory to {out} ({size / 1e6:.1f} MB)")
             return 0
-    except CheckpointError as e:
+    except (CheckpointError, StateFormatError) as e:  # a file that verifies but does not decode
         print(f"FAILED {e}", file=sys.stderr)
         return 1
     seen: set[int] = set()
