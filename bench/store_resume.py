@@ -36,7 +36,8 @@ from bench.common import alternating, detail, figure, resume_copy  # noqa: E402
 from bench.loop_overhead import child_env  # noqa: E402
 from core.callbacks import TrainerCallback  # noqa: E402
 from core.config import load_config  # noqa: E402
-from core.data.prepare import CHUNK_BYTES, tokenizer_identity  # noqa: E402
+from core.data.pieces import tokenizer_identity  # noqa: E402
+from core.data.prepare import CHUNK_BYTES  # noqa: E402
 from core.data.store import (  # noqa: E402
     FORMAT,
     HASH,

@@ -18,8 +18,8 @@ from core.data import (
     dataset_fingerprint,
     sample_lengths,
 )
-from core.data.build import check_same_data, main_process_first
 from core.data.from_store import check_store, open_training_store, store_lengths, store_of
+from core.data.ranks import check_same_data, main_process_first
 from core.data.sampler import BijectiveSampler, ResumableDistributedSampler
 from core.data.stream import StreamPosition, is_stream
 from core.dist_info import DistInfo

@@ -22,7 +22,7 @@ from core.checkpoint_hook import CheckpointHook
 from core.config import Config
 from core.data.loader import make_dataloader
 from core.data.sampler import ResumableDistributedSampler
-from core.data.store import uniform_length
+from core.data.store_reader import uniform_length
 from core.dist_info import DistInfo
 from core.engines.base import Engine
 from core.reporting.memory import StageMemory

@@ -96,7 +96,7 @@ def test_hf_pretrain_config_trains_and_resumes_bit_identically_after_sigkills(
     hf_assets, cache, pretrain_ref, tmp_path
 ):
     run_dir = tmp_path / "run"
-    kill_and_finish(run_dir, pretrain_args(hf_assets), cache, ["save", "step", "save"], seed=19)
+    kill_and_finish(run_dir, pretrain_args(hf_assets), cache, ["save", "step"], seed=19)
     assert_same_losses(pretrain_ref, run_dir)
     assert_same_checkpoint(last_checkpoint(pretrain_ref), last_checkpoint(run_dir))
 
@@ -194,7 +194,7 @@ def _build_worker(rank: int, port: int, cache_dir: str, assets, mode: str, resul
 
     from core.config import DataConfig
     from core.data import DataError, build_dataset, dataset_fingerprint
-    from core.data.build import check_same_data, main_process_first
+    from core.data.ranks import check_same_data, main_process_first
     from core.data.tokenizers import HFTokenizer
 
     datasets.config.HF_DATASETS_CACHE = Path(cache_dir)

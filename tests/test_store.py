@@ -30,7 +30,8 @@ import core.data.writer as writer_mod
 from core.config import DataConfig
 from core.data import DataError, build_dataset
 from core.data.prepare import prepare
-from core.data.store import INDEX, StoreError, StoreIndex, TokenStore, verify_store
+from core.data.store import INDEX, StoreError, StoreIndex, verify_store
+from core.data.store_reader import TokenStore
 from core.data.writer import JOURNAL, StoreWriteError, _Out
 from launcher import exit_codes
 from launcher import prepare as prepare_cli

@@ -1,34 +1,32 @@
 """Training samples as a Hugging Face `datasets.Dataset` with an `input_ids` column (and `labels`
-for chat data): read (core/data/sources.py), tokenised, packed, fingerprinted.
+for chat data): read (core/data/sources.py), tokenised (core/data/encode.py), packed,
+fingerprinted.
 
 Tokenisers: UTF-8 bytes (one id per byte, the default) or a Hugging Face fast tokenizer. With
 the latter, tokenisation is a batched `datasets.map` over `data.num_proc` processes whose
 result datasets caches under a fingerprint of the input files, the tokenizer and the settings:
-the first rank to build a dataset tokenises it, every later build (other ranks, a resume) loads
-the cached Arrow files. Sample order depends only on the input, so a sampler position means the
-same batch after a restart; `dataset_fingerprint` lets a resume check that.
+the first rank to build a dataset tokenises it (core/data/ranks.py), every later build (other
+ranks, a resume) loads the cached Arrow files. Sample order depends only on the input, so a
+sampler position means the same batch after a restart; `dataset_fingerprint` lets a resume
+check that.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch.distributed as dist
 
-from checkpointing.comm import broadcast_object
-from core.agreement import any_rank
 from core.config import DataConfig
 from core.data.chat import SKIP_REASONS, check_template, encode_chat, skip_report
+from core.data.encode import encode_bytes, encode_text, token_dtype, truncate
 from core.data.errors import DataError
 from core.data.pack import MIN_TOKENS, blocks, pack_table, ragged, used_rows
 from core.data.sources import load_records, stdlib_records, text_column
@@ -36,8 +34,6 @@ from core.data.tokenizers import HFTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-BUILD_TIMEOUT = datetime.timedelta(hours=48)
 """How long ranks wait for another to build the datasets (tokenising a corpus)."""
 PIPELINE_VERSION = 1
 """Part of every cache fingerprint: bump when a tokenisation step changes what it produces."""
@@ -65,7 +61,7 @@ def build_dataset(
         if cfg.packing:
             column = blocks(np.frombuffer(b"".join(records), np.uint8), cfg.seq_len)
         else:
-            column = ragged(_truncate(records, cfg.seq_len))
+            column = ragged(truncate(records, cfg.seq_len))
         length = cfg.seq_len if cfg.packing else -1
         ds = datasets.Dataset.from_dict({"input_ids": column}, features=_features("uint8", length))
         what = f"stdlib corpus, {sum(map(len, records))} bytes"
@@ -92,58 +88,6 @@ def build_dataset(
         time.perf_counter() - start,
     )
     return ds
-
-
-def main_process_first(build: Callable[[], T], rank: int, local_rank: int) -> T:
-    """`build()` on rank 0 first, then on the first rank of every other node, then on the rest:
-    the first build of a dataset tokenises it into datasets' cache, later ones (on a shared
-    filesystem: all of them) load that cache, so tokenising runs once and not once per rank.
-    A failure anywhere stops every rank at the same point with its own error (or a DataError
-    naming the rank that failed), never a rank waiting forever in a collective."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return build()
-    # The waiting ranks sit in a collective while another tokenises, which may take hours: a
-    # group of its own, whose timeout is not the training group's.
-    group = dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT)
-    try:
-        return _in_phases(build, rank, local_rank, group)
-    finally:
-        dist.destroy_process_group(group)
-
-
-def check_same_data(fingerprint: str, rank: int) -> None:
-    """Every rank built the samples rank 0 built (a local file or cache that differs between
-    nodes, a template that prints the date...): else one line, on every rank, before training."""
-    expected = broadcast_object(fingerprint)
-    differs = fingerprint != expected
-    if any_rank([differs])[0]:
-        if differs:
-            message = (
-                f"data: rank {rank} built other samples than rank 0 (dataset fingerprint "
-                f"{fingerprint}, rank 0: {expected}); give every node the same data.source files"
-            )
-            logger.error("%s", message)  # rank 0 alone reports usage errors (launcher.main)
-            raise DataError(message)
-        raise DataError("data: another rank built other samples than rank 0 (see its log)")
-
-
-def _in_phases(build: Callable[[], T], rank: int, local_rank: int, group: Any) -> T:
-    phases = (rank == 0, rank != 0 and local_rank == 0, local_rank != 0)
-    result: Any = None
-    error: BaseException | None = None
-    for mine in phases:
-        if mine:
-            try:
-                result = build()
-            except Exception as e:  # re-raised below, once every rank knows
-                error = e
-                if rank != 0:  # rank 0 alone reports usage errors (launcher.main)
-                    logger.error("rank %d: %s", rank, e)
-        if any_rank([error is not None], group)[0]:
-            if error is not None:
-                raise error
-            raise DataError("data: building the datasets failed on another rank (see its log)")
-    return result
 
 
 def _text(cfg: DataConfig, tokenizer: HFTokenizer | None) -> tuple[datasets.Dataset, str]:
@@ -295,11 +239,6 @@ def _pretokenised(cfg: DataConfig, raw: datasets.Dataset) -> datasets.Dataset:
     )
 
 
-def token_dtype(tokenizer: HFTokenizer) -> str:
-    """The narrowest unsigned type holding every id: half the bytes of int32 for most vocabs."""
-    return "uint16" if tokenizer.vocab_size <= 2**16 else "uint32"
-
-
 def _procs(cfg: DataConfig, raw: datasets.Dataset) -> int | None:
     n = min(cfg.num_proc, max(1, len(raw)))
     return n if n > 1 else None
@@ -312,44 +251,10 @@ def _step(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def encode_bytes(batch: dict[str, list], field: str, seq_len: int, packing: bool) -> pa.Table:
-    """datasets.map function: texts -> UTF-8 byte ids (with a newline separator when packing)."""
-    records = [(text or "").encode("utf-8") for text in batch[field]]
-    records = [r + b"\n" for r in records] if packing else _truncate(records, seq_len)
-    return pa.table({"input_ids": ragged(records)})  # a Table: map takes no Arrow arrays
-
-
-def encode_text(
-    batch: dict[str, list],
-    field: str,
-    tokenizer: HFTokenizer,
-    seq_len: int,
-    packing: bool,
-    dtype: str,
-) -> pa.Table:
-    """datasets.map function: texts -> token ids, the tokenizer's EOS after every document
-    (unless its own post-processor put one there). Empty texts are dropped; without packing a
-    document is truncated to seq_len and one shorter than 2 tokens is dropped."""
-    texts = [t for t in batch[field] if t]
-    eos = tokenizer.eos_id
-    rows = []
-    for ids in tokenizer.encode(texts):
-        if not ids or ids[-1] != eos:
-            ids.append(eos)
-        row = np.asarray(ids if packing else ids[:seq_len], dtype=dtype)
-        if len(row) >= MIN_TOKENS:
-            rows.append(row)
-    return pa.table({"input_ids": ragged(rows, dtype)})
-
-
 def _truncate_ids(batch: dict[str, list], seq_len: int) -> dict:
     """datasets.map function: pre-tokenised ids, truncated, too-short records dropped."""
     ids = [x[:seq_len] for x in batch["input_ids"] if x is not None and len(x) >= MIN_TOKENS]
     return {"input_ids": ids}
-
-
-def _truncate(records: list[bytes], seq_len: int) -> list[bytes]:
-    return [r[:seq_len] for r in records if len(r) >= MIN_TOKENS]
 
 
 def _features(dtype: str, length: int = -1) -> datasets.Features:

@@ -15,15 +15,9 @@ from torch.utils.data import Subset
 from checkpointing.comm import broadcast_object, gather_objects
 from core.config import DataConfig
 from core.data.errors import DataError
-from core.data.prepare import hash_source, resolve_sources, tokenizer_identity
-from core.data.store import (
-    StoreError,
-    TokenStore,
-    UniformLengths,
-    is_store,
-    open_fs,
-    verify_shard,
-)
+from core.data.pieces import hash_source, resolve_sources, tokenizer_identity
+from core.data.store import StoreError, is_store, open_fs, verify_shard
+from core.data.store_reader import TokenStore, UniformLengths
 from core.data.tokenizers import HFTokenizer
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from core.data.collate import block_batch, collate
 from core.data.sampler import BijectiveSampler, ResumableDistributedSampler
-from core.data.store import TokenStore
+from core.data.store_reader import TokenStore
 from core.data.stream import StreamPosition
 
 
