@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from checkpointing.cli import main as export_main
 from checkpointing.manifest import list_checkpoints, read_manifest, verify
 from core.config import ConfigError, load_config
 from core.engines.deepspeed_config import resolve_deepspeed_config
@@ -99,7 +100,7 @@ def reference(request, tmp_path_factory) -> tuple[int, Path]:
     return stage, ref
 
 
-def test_export_equals_the_live_model(reference):
+def test_export_equals_the_live_model(reference, capsys):
     stage, ref = reference
     live = load_file(ref / "live" / "model.safetensors")
     assert_tensors_equal(exported(ref / f"checkpoint-{STEPS}"), live, f"zero{stage} export")
@@ -107,9 +108,8 @@ def test_export_equals_the_live_model(reference):
     bad = ref.parent / "corrupt"
     shutil.copytree(ref / f"checkpoint-{STEPS}", bad)
     flip_byte(next(bad.rglob("*optim_states.pt")))
-    cmd = [sys.executable, "-m", "checkpointing", "export", str(bad), str(bad / "w.safetensors")]
-    result = run(cmd, cwd=ref.parent, timeout=120)
-    assert result.returncode == 1 and "blake3 differs" in result.output, result.output
+    assert export_main(["export", str(bad), str(bad / "w.safetensors")]) == 1  # in-process
+    assert "blake3 differs" in capsys.readouterr().err
     assert not (bad / "w.safetensors").exists()
     # Sharded for real: every rank wrote its own optimizer partition.
     shards = sorted(p.name for p in (ref / f"checkpoint-{STEPS}" / "deepspeed").rglob("*.pt"))
@@ -160,6 +160,9 @@ def test_sigterm_commits_and_resumes_exactly(tmp_path, reference):
     assert f"resumed from {path}" in finish_like(ref, run_dir, args)
 
 
+# The manifest hashes DeepSpeed's files as it hashes any (each stage's exact resume from a
+# committed checkpoint is the SIGKILL test's relaunch): ZeRO-3 stands for every stage.
+@pytest.mark.parametrize("reference", [3], indirect=True, ids=["zero3"])
 def test_corrupt_shard_is_caught_and_the_previous_checkpoint_used(tmp_path, reference):
     """Also the exact resume after a clean stop: the run continues from checkpoint-16."""
     stage, ref = reference

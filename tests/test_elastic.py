@@ -116,16 +116,23 @@ def assert_close_run(ref: Path, res: Path, steps: int = STEPS) -> None:
         assert torch.allclose(a[k], b[k], rtol=0, atol=WEIGHT_ATOL), k
 
 
-def test_two_ranks_resume_on_one(tmp_path):
-    ref, res = tmp_path / "ref", tmp_path / "res"
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, str]:
+    """The module's uninterrupted run on 2 ranks, and its output."""
+    ref = tmp_path_factory.mktemp("two-ranks") / "ref"
     first = run_launcher(ref, 2, *ARGS)
     assert first.returncode == 0, first.output
+    return ref, first.output
+
+
+def test_two_ranks_resume_on_one(tmp_path, two_ranks):
+    (ref, output), res = two_ranks, tmp_path / "res"
     seed_resume_dir(ref, res, SAVED)
     resumed = run_launcher(res, None, *ARGS)
     assert resumed.returncode == 0, resumed.output
     assert "gradient_accumulation_steps 1 -> 2 keeps the global batch at 16" in resumed.output
     assert "gradient_accumulation_steps: 2" in (res / "config.yaml").read_text()
-    ref_ids = sample_ids(first.output)
+    ref_ids = sample_ids(output)
     assert sorted(ref_ids) == list(range(1, STEPS + 1))
     assert_accounted(ref_ids, sample_ids(resumed.output), ref_ids)
     assert_close_run(ref, res)
@@ -199,11 +206,15 @@ def test_one_rank_resumes_on_two_deterministically(tmp_path):
         ),
     ],
 )
-def test_impossible_change_is_refused(tmp_path, saving, resuming, message):
-    ref = tmp_path / "ref"
-    args = (*ARGS, "--train.max_steps", "4", "--checkpoint.save_steps", "2")
-    assert run_launcher(ref, 2, *args, *saving).returncode == 0
-    resume = ("--checkpoint.resume_from", str(ref / "checkpoint-4"))
+def test_impossible_change_is_refused(tmp_path, two_ranks, saving, resuming, message):
+    """On 1 rank from a checkpoint of 2: the module's run, or one saved with `saving`."""
+    args, checkpoint = ARGS, two_ranks[0] / f"checkpoint-{SAVED}"
+    if saving:
+        ref = tmp_path / "ref"
+        args = (*ARGS, "--train.max_steps", "4", "--checkpoint.save_steps", "2")
+        assert run_launcher(ref, 2, *args, *saving).returncode == 0
+        checkpoint = ref / "checkpoint-4"
+    resume = ("--checkpoint.resume_from", str(checkpoint))
     result = run_launcher(tmp_path / "res", None, *args, *resume, *resuming)
     assert result.returncode == 3, result.output
     assert message in result.output

@@ -119,15 +119,11 @@ def test_sigusr1_preempts_too(tmp_path):
     assert proc.returncode == 75, out
 
 
-def test_torchrun_max_restarts_resumes_after_a_worker_crash(tmp_path):
+def test_torchrun_max_restarts_resumes_after_a_worker_crash(tmp_path, reference):
+    """The crashing model is TinyGPT until it crashes: the module's reference is its run."""
     marker = tmp_path / "crashed"
     model = ("--model.name", "tests.crashy_model:factory", "--checkpoint.save_steps", "5")
     kwargs = f"{{marker: {marker}, crash_at: 13, crash_rank: 1}}"
-    ref = tmp_path / "ref"
-    marker.touch()  # the reference never crashes
-    result = run_launcher(ref, 2, *ARGS, *model, "--model.kwargs", kwargs)
-    assert result.returncode == 0, result.output
-    marker.unlink()
     run_dir = tmp_path / "run"
     proc = start(
         run_dir, 2, *ARGS, *model, "--model.kwargs", kwargs, torchrun_args=("--max-restarts", "1")
@@ -143,5 +139,5 @@ def test_torchrun_max_restarts_resumes_after_a_worker_crash(tmp_path):
     assert "waiting up to" not in out  # the restarted workers took the run's lease at once
     starts = [r for r in read_history(run_dir) if isinstance(r, AttemptStart)]
     assert [(s.cause, s.restart_count) for s in starts] == [("fresh", 0), ("restarted", 1)]
-    assert_same_losses(ref, run_dir)
-    assert_same_checkpoint(ref / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
+    assert_same_losses(reference, run_dir)
+    assert_same_checkpoint(reference / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
