@@ -297,7 +297,7 @@ class CheckpointManager:
             # from an older one): its manifest goes first, so that no instant shows a
             # committed checkpoint with objects missing.
             logger.info("removing %s left by an earlier attempt", self.storage.display(target))
-            self._delete(target)
+            self.housekeeping.delete_once(target)
 
     def _write_and_commit(self, snap: _Snapshot, group: Any) -> str:
         """Write this rank's files, gather every rank's digests (or errors), commit on rank 0;

@@ -90,9 +90,10 @@ class Housekeeping:
     def delete(self, name: str) -> None:
         """Remove a checkpoint so that no instant shows it committed with files missing
         (retried; StorageError when the store keeps failing)."""
-        self.store(f"deleting {self.storage.display(name)}", lambda: self._delete(name))
+        self.store(f"deleting {self.storage.display(name)}", lambda: self.delete_once(name))
 
-    def _delete(self, name: str) -> None:
+    def delete_once(self, name: str) -> None:
+        """`delete` without its retries: inside an operation that is retried as a whole."""
         self._fence(f"deleting {self.storage.display(name)}")
         if self.storage.atomic_rename:
             # Rename first so that a half-deleted directory never looks like a checkpoint.

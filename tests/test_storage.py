@@ -106,11 +106,20 @@ def test_object_store_commit_protocol(monkeypatch):
     monkeypatch.setattr(
         FsspecStorage, "remove", lambda self, rel: (removed.append(self._p(rel)), remove(self, rel))
     )
-    manager.housekeeping._delete("checkpoint-2")
+    manager.housekeeping.delete_once("checkpoint-2")
     assert [p.rsplit("/run/", 1)[1] for p in removed] == [
         "checkpoint-2/manifest.json",
         "checkpoint-2",
     ]
+    # A run resumed from an older checkpoint saves over a committed one of the abandoned
+    # branch: that one's manifest goes first, then its objects, then the new save commits.
+    removed.clear()
+    save(manager, 3, Weights(torch.full((10,), -1.0)))
+    assert [p.rsplit("/run/", 1)[1] for p in removed][:2] == [
+        "checkpoint-3/manifest.json",
+        "checkpoint-3",
+    ]
+    assert torch.equal(load_entry(storage.child("checkpoint-3"), "w")["w"], torch.full((10,), -1.0))
 
 
 def test_a_corrupt_object_is_skipped_by_latest():
