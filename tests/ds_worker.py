@@ -1,6 +1,7 @@
-"""Worker for tests/test_deepspeed.py: trains exactly as `python -m launcher` does (same session,
-same Trainer), then writes the live model's full weights with `Trainer.save_model` into argv[1],
-so a test can compare them with what `python -m checkpointing export` makes of the checkpoint.
+"""Worker for tests/core/engines/test_deepspeed.py: trains exactly as `python -m launcher` does
+(same session, same Trainer), then writes the live model's full weights with
+`Trainer.save_model` into argv[1], so a test can compare them with what
+`python -m checkpointing export` makes of the checkpoint.
 
     torchrun --standalone --nproc-per-node 2 -m tests.ds_worker OUT_DIR --config ... [overrides]
 """

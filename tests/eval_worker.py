@@ -1,6 +1,6 @@
-"""Worker for tests/test_evaluation.py: evaluates a seeded TinyGPT on a fixed dataset and writes
-rank 0's metrics as JSON to argv[1]. Under torchrun it joins a gloo group; run plainly it is one
-process without a group. The builders are shared with the in-process tests.
+"""Worker for tests/core/test_evaluation.py: evaluates a seeded TinyGPT on a fixed dataset and
+writes rank 0's metrics as JSON to argv[1]. Under torchrun it joins a gloo group; run plainly it
+is one process without a group. The builders are shared with the in-process tests.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from core.config import load_config
 from core.loop import DistInfo
 from core.run import build_trainer
 from tests.checkpoints import file_record, flip_byte, load_entry
+from tests.launch import REPO
 from tests.launch import SMALL as SMALL_RUN
 
 # One process writes the whole share of the model and the optimizer (checkpointing.balanced).
@@ -215,7 +216,7 @@ def test_planted_pickle_is_refused_and_never_runs(run_dir, tmp_path, rel):
 def test_no_pickle_loader_in_checkpointing():
     """No call in checkpointing/ can unpickle code: no pickle.load(s), and every torch.load
     (DeepSpeed's shards only) passes weights_only=True."""
-    root = Path(__file__).resolve().parent.parent / "checkpointing"
+    root = REPO / "checkpointing"
     torch_loads = 0
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

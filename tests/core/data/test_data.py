@@ -24,8 +24,9 @@ from core.data import (
     sample_lengths,
     sources,
 )
+from tests.launch import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 
 @pytest.fixture(autouse=True)

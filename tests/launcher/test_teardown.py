@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tests.launch import BIN, Result, run
+from tests.launch import BIN, REPO, Result, run
 
-WORKER = Path(__file__).parent / "teardown_worker.py"
+WORKER = REPO / "tests" / "teardown_worker.py"
 TORCHRUN = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(WORKER)]
 
 
