@@ -1,4 +1,4 @@
-"""Worker for tests/core/engines/test_deepspeed.py: trains exactly as `python -m launcher` does
+"""Worker for tests/test_core/engines/test_deepspeed.py: trains exactly as `python -m launcher` does
 (same session, same Trainer), then writes the live model's full weights with
 `Trainer.save_model` into argv[1], so a test can compare them with what
 `python -m checkpointing export` makes of the checkpoint.

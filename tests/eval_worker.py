@@ -1,4 +1,4 @@
-"""Worker for tests/core/test_evaluation.py: evaluates a seeded TinyGPT on a fixed dataset and
+"""Worker for tests/test_core/test_evaluation.py: evaluates a seeded TinyGPT on a fixed dataset and
 writes rank 0's metrics as JSON to argv[1]. Under torchrun it joins a gloo group; run plainly it
 is one process without a group. The builders are shared with the in-process tests.
 """

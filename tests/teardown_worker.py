@@ -1,4 +1,4 @@
-"""A process that ends the way tests/launcher/test_teardown.py asks, to show what `exit_worker`
+"""A process that ends the way tests/test_launcher/test_teardown.py asks, to show what `exit_worker`
 keeps.
 
     [torchrun ...] tests/teardown_worker.py OUT MODE CODE

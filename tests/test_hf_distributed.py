@@ -138,7 +138,7 @@ def ds_args(assets, stage: int) -> tuple[str, ...]:
     return sharded_args(assets, "--engine.name", "deepspeed", "--engine.deepspeed_config", config)
 
 
-# ZeRO-1 and 2 keep the same files; each stage's own resume: tests/core/engines/test_deepspeed.py.
+# ZeRO-1 and 2 keep the same files (each stage's resume: tests/test_core/engines/test_deepspeed).
 @pytest.mark.parametrize("stage", [2])
 def test_deepspeed_zero_1_2_resume_exactly(hf_assets, cache, tmp_path, stage):
     pytest.importorskip("deepspeed")
@@ -174,7 +174,7 @@ def test_sharded_engine_resumes_after_sigkill_and_exports_the_live_model(
     kill_and_finish(run_dir, args, cache, ["step"], seed=3)
     assert_same_losses(ref, run_dir)
     exported = tmp_path / "export"
-    # The CLI in this process, as tests/core/models/test_hf_models.py runs it.
+    # The CLI in this process, as tests/test_core/models/test_hf_models.py runs it.
     assert export_main(["export", str(run_dir / "checkpoint-12"), str(exported), "--hf"]) == 0
     ids = torch.arange(5, 37).reshape(2, 16)
     out = []

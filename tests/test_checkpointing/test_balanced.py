@@ -1,6 +1,7 @@
 """checkpointing.balanced: replicated state (DDP's model and optimizer) written in shares of
 equal bytes, read back whole from any number of them. The multi-process runs (tests/test_resume,
-tests/test_elastic, tests/core/engines/test_fsdp) save and load this layout through the launcher."""
+tests/test_elastic, tests/test_core/engines/test_fsdp) save and load this layout through the
+launcher."""
 
 from __future__ import annotations
 

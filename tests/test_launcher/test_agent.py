@@ -68,7 +68,7 @@ def test_a_peer_torchrun_stopped_before_it_could_say_does_not_count():
 
 def test_a_signal_to_the_agent_exits_75_without_a_traceback(tmp_path):
     """What `docker stop` / the kubelet / Slurm do: SIGTERM to the entry point. torchrun itself
-    exits 1 with a SignalException traceback here (tests/launcher/test_report.py shows it)."""
+    exits 1 with a SignalException traceback here (tests/test_launcher/test_report.py shows it)."""
     run_dir = tmp_path / "run"
     proc = agent(run_dir, "--train.max_steps", "400")
     try:
