@@ -42,7 +42,7 @@ from core.data.collate import collate  # noqa: E402
 from core.data.loader import make_dataloader  # noqa: E402
 from core.data.prepare import prepare  # noqa: E402
 from core.data.sampler import BijectiveSampler  # noqa: E402
-from core.data.store import TokenStore  # noqa: E402
+from core.data.store_reader import TokenStore  # noqa: E402
 
 SEED = 42
 
