@@ -140,7 +140,7 @@ def memory_url() -> str:
 _EXPORTS: dict[tuple[str, bytes], dict[str, torch.Tensor]] = {}
 
 
-def exported(checkpoint: Path, out: Path | None = None) -> dict[str, torch.Tensor]:
+def exported(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The weights `python -m checkpointing export CHECKPOINT OUT` writes, run in this process:
     a subprocess per export cost 5-10 s of imports (the CLI as a process is tested in
     test_checkpoint_cli and in each engine's refusal of a corrupt file). A checkpoint exported
@@ -149,7 +149,7 @@ def exported(checkpoint: Path, out: Path | None = None) -> dict[str, torch.Tenso
 
     key = (str(checkpoint.resolve()), (checkpoint / "manifest.json").read_bytes())
     if key not in _EXPORTS:
-        out = out or checkpoint.parent / f"{checkpoint.name}-{uuid.uuid4().hex[:8]}.safetensors"
+        out = checkpoint.parent / f"{checkpoint.name}-{uuid.uuid4().hex[:8]}.safetensors"
         code = main(["export", str(checkpoint), str(out)])
         assert code == 0, f"export of {checkpoint} exited {code}"
         _EXPORTS[key] = load_file(out)

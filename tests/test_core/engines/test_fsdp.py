@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import random
-import time
 import uuid
 from pathlib import Path
 
@@ -40,14 +38,10 @@ from tests.launch import (
     BIN,
     REPO,
     SMALL,
-    kill_tree,
-    logged_steps,
+    kill_and_finish,
     read_metrics,
     run,
     run_launcher,
-    saving,
-    start,
-    wait_for,
 )
 from tests.test_elastic import sample_ids
 
@@ -198,30 +192,10 @@ def assert_same_sharded(a: Path, b: Path, tmp: Path) -> None:
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
 
-def _chaos(run_dir: Path, plans: list[str], *args: str) -> None:
-    rng = random.Random(1234)
-    kills = 0
-    for plan in plans:
-        proc = start(run_dir, 2, *args)
-        if plan == "save":
-            hit = wait_for(lambda: saving(run_dir), proc)
-            time.sleep(rng.uniform(0, 0.05))
-        else:
-            target = logged_steps(run_dir) + rng.randint(1, 4)
-            hit = wait_for(lambda t=target: logged_steps(run_dir) >= t, proc)
-            time.sleep(rng.uniform(0, 0.1))
-        kill_tree(proc)
-        kills += hit
-    assert kills >= len(plans) - 1, "the run finished before the kills: the test tested nothing"
-    proc = start(run_dir, 2, *args)
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, out
-
-
 def test_sigkills_mid_save_and_mid_step_end_bit_identical(tmp_path, reference):
     ref, _ = reference
     run_dir = tmp_path / "run"
-    _chaos(run_dir, ["save", "step"], *ARGS)
+    kill_and_finish(run_dir, ARGS, {}, ["save", "step"], seed=1234)
     assert_same_losses(ref, run_dir)
     last = f"checkpoint-{STEPS}"
     assert_same_sharded(ref / last, run_dir / last, tmp_path)
@@ -231,7 +205,7 @@ def test_bf16_with_async_saves_survives_sigkills_bit_identical(tmp_path):
     ref, run_dir = tmp_path / "ref", tmp_path / "run"
     result = run_launcher(ref, 2, *ARGS, *BF16)
     assert result.returncode == 0, result.output
-    _chaos(run_dir, ["save", "step"], *ARGS, *BF16)
+    kill_and_finish(run_dir, (*ARGS, *BF16), {}, ["save", "step"], seed=1234)
     assert_same_losses(ref, run_dir)
     last = f"checkpoint-{STEPS}"
     assert_same_sharded(ref / last, run_dir / last, tmp_path)
