@@ -128,6 +128,12 @@ class CheckpointManager:
         """Checkpoints whose manifest exists (not verified), newest first."""
         return self.housekeeping.committed()
 
+    def newest(self) -> str | None:
+        """The newest committed checkpoint's name, read on rank 0 only (None elsewhere, and
+        when there is none): what rank 0 broadcasts when every rank must agree on it."""
+        committed = self.committed() if self.rank == 0 else []
+        return committed[0][1] if committed else None
+
     def best(self) -> str | None:
         """The committed checkpoint with the best recorded metric (the newest among ties)."""
         return self.housekeeping.best()

@@ -13,6 +13,9 @@ import logging
 
 import torch
 
+from checkpointing.manifest import Manifest
+from checkpointing.serialize import load_state
+from checkpointing.storage import Storage
 from core.config import Config
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,15 @@ def with_batch(config: Config, per_device: int, accumulation: int) -> Config:
         config.train, per_device_batch_size=per_device, gradient_accumulation_steps=accumulation
     )
     return dataclasses.replace(config, train=train)
+
+
+def at_recorded_batch(config: Config, found: tuple[Storage, Manifest]) -> Config:
+    """auto_find_batch_size resumes at the micro-batch the search settled on, not searching
+    again (checkpoints written before it was recorded keep the configured one)."""
+    state = load_state(found[0], "train_state", found[1].files)
+    if state.get("per_device_batch_size") is None:
+        return config
+    return with_batch(config, state["per_device_batch_size"], state["gradient_accumulation_steps"])
 
 
 def halved(config: Config) -> Config:

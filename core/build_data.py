@@ -11,6 +11,7 @@ import datasets
 import numpy as np
 from torch.utils.data import Subset
 
+from core.build_sampler import build_sampler
 from core.config import Config, ConfigError
 from core.data import (
     HFTokenizer,
@@ -20,10 +21,9 @@ from core.data import (
 )
 from core.data.from_store import check_store, open_training_store, store_lengths, store_of
 from core.data.ranks import check_same_data, main_process_first
-from core.data.sampler import BijectiveSampler, ResumableDistributedSampler
+from core.data.sampler import ResumableDistributedSampler
 from core.data.stream import StreamPosition, is_stream
 from core.dist_info import DistInfo
-from core.plan import plan_steps
 
 
 @dataclass
@@ -37,6 +37,11 @@ class DataParts:
     """The training data's content fingerprint (part of the trajectory)."""
     steps: tuple[int, int]
     """(optimizer steps per epoch, total optimizer steps)."""
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the training data is a stream (an iterable dataset: no length)."""
+        return isinstance(self.sampler, StreamPosition)
 
 
 def build_data(
@@ -63,47 +68,8 @@ def build_data(
         check_store(config.data, store, dist_info.rank, dist_info.world_size)
     lengths, fingerprint = _dataset_facts(dataset)
     check_same_data(fingerprint, dist_info.rank)
-    sampler = _make_sampler(config, dataset, lengths, dist_info)
-    try:  # a stream's epoch is endless: its run is max_steps long (checked by _make_sampler)
-        steps = plan_steps(config, sampler)
-    except ValueError as e:
-        raise ConfigError(f"train.per_device_batch_size: {e}") from e
+    sampler, steps = build_sampler(config, dataset, lengths, dist_info)
     return DataParts(dataset, evaluation, sampler, lengths, fingerprint, steps)
-
-
-def _make_sampler(
-    config: Config, dataset: Any, lengths: np.ndarray | None, dist_info: DistInfo
-) -> ResumableDistributedSampler | StreamPosition:
-    tc = config.train
-    if is_stream(dataset):
-        for ok, key, why in (
-            (tc.max_steps is not None, "train.max_steps", "an iterable dataset has no length"),
-            (config.data.num_workers == 0, "data.num_workers", "must be 0 for an iterable dataset"),
-            (not config.data.group_by_length, "data.group_by_length", "needs a map-style dataset"),
-        ):
-            if not ok:
-                raise ConfigError(f"{key}: {why}")
-        return StreamPosition(
-            dist_info.world_size,
-            dist_info.rank,
-            tc.per_device_batch_size,
-            config.run.seed,
-            tc.gradient_accumulation_steps,
-        )
-    try:
-        cls = BijectiveSampler if store_of(dataset) is not None else ResumableDistributedSampler
-        return cls(
-            num_samples=len(dataset),
-            num_replicas=dist_info.world_size,
-            rank=dist_info.rank,
-            batch_size=tc.per_device_batch_size,
-            seed=config.run.seed,
-            drop_last=config.data.drop_last,
-            lengths=lengths if config.data.group_by_length else None,
-            accumulation=tc.gradient_accumulation_steps,
-        )
-    except ValueError as e:
-        raise ConfigError(f"train.per_device_batch_size: {e}") from e
 
 
 def _dataset_facts(dataset: Any) -> tuple[np.ndarray | None, str]:
@@ -126,6 +92,12 @@ def _eval_split(
     config: Config, dataset: Any, eval_dataset: Any, tokenizer: HFTokenizer | None, quiet: bool
 ) -> tuple[Any, Any]:
     """(training data, evaluation data or None) as the eval section asks."""
+    if eval_dataset is not None and is_stream(eval_dataset):
+        # Exactly-once distributed evaluation shards by sample index.
+        raise ConfigError(
+            "eval_dataset: needs a map-style dataset (datasets.Dataset or a torch "
+            "Dataset with __getitem__), not an iterable one"
+        )
     if eval_dataset is not None or config.eval.strategy == "no":
         return dataset, eval_dataset
     if config.eval.source != "holdout":

@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 
 from checkpointing.comm import broadcast_object, control_group
 from checkpointing.manager import CheckpointManager
 from checkpointing.manifest import CheckpointError, Manifest
 from checkpointing.redact import display_url
-from checkpointing.serialize import load_state
 from checkpointing.storage import Storage, is_private_to_process, open_storage
-from core.autobatch import with_batch
+from core.autobatch import at_recorded_batch
 from core.config import Config, ConfigError, metric_greater_is_better
-from core.data.sampler import ResumableDistributedSampler
 from core.dist_info import DistInfo
 from core.elastic import fit_world_size
 
@@ -51,7 +48,7 @@ class RunPlan:
     def outdated(self) -> bool:
         """Whether a checkpoint was committed (or deleted) since the plan was made; every rank
         gets rank 0's answer. Once this job holds the run's lease, nobody else commits."""
-        return broadcast_object(_newest(self.manager)) != self.seen
+        return broadcast_object(self.manager.newest()) != self.seen
 
     @property
     def resumes(self) -> str | None:
@@ -79,8 +76,9 @@ def open_checkpoint_storage(config: Config, world_size: int) -> Storage:
 
 def open_manager(config: Config, dist_info: DistInfo) -> CheckpointManager:
     cc = config.checkpoint
+    storage = open_checkpoint_storage(config, dist_info.world_size)
     return CheckpointManager(
-        open_checkpoint_storage(config, dist_info.world_size),
+        storage,
         dist_info.rank,
         dist_info.world_size,
         save_total_limit=cc.save_total_limit,
@@ -101,7 +99,7 @@ def plan_run(
     and gets the same plan). Bad resume input raises here, before anything is built."""
     manager = manager or open_manager(config, dist_info)
     cc = config.checkpoint
-    seen = broadcast_object(_newest(manager))
+    seen = broadcast_object(manager.newest())
     if cc.resume_from == "none":
         committed = tuple(name for _, name in manager.committed())
         if committed and not config.run.overwrite:
@@ -115,31 +113,6 @@ def plan_run(
         return RunPlan(config, manager, seen=seen)
     manifest = found[1]
     if config.train.auto_find_batch_size:
-        config = _at_recorded_batch(config, found)
+        config = at_recorded_batch(config, found)
     fitted = fit_world_size(config, manifest, dist_info.world_size)
     return RunPlan(fitted, manager, found, seen=seen)
-
-
-def _newest(manager: CheckpointManager) -> str | None:
-    committed = manager.committed() if manager.rank == 0 else []
-    return committed[0][1] if committed else None
-
-
-def _at_recorded_batch(config: Config, found: tuple[Storage, Manifest]) -> Config:
-    """auto_find_batch_size resumes at the micro-batch the search settled on, not searching
-    again (checkpoints written before it was recorded keep the configured one)."""
-    state = load_state(found[0], "train_state", found[1].files)
-    if state.get("per_device_batch_size") is None:
-        return config
-    return with_batch(config, state["per_device_batch_size"], state["gradient_accumulation_steps"])
-
-
-def plan_steps(config: Config, sampler: ResumableDistributedSampler) -> tuple[int, int]:
-    """(optimizer steps per epoch, total optimizer steps); max_steps wins over num_epochs."""
-    tc = config.train
-    per_epoch = math.ceil(
-        sampler.batches_per_epoch(config.data.drop_last) / tc.gradient_accumulation_steps
-    )
-    if per_epoch == 0:
-        raise ValueError("an epoch holds no batch; lower train.per_device_batch_size")
-    return per_epoch, tc.max_steps or (tc.num_epochs or 0) * per_epoch

@@ -1,6 +1,7 @@
-"""Builds a training run from a Config and its resume plan, in stages: data (core/build_data.py),
-model, engine and evaluator (core/build_model.py), then the checkpointer, the reporters and the
-loop's hooks. The path of a run: plan (core/plan.py) -> build (here) -> loop (core/loop.py) ->
+"""Builds a training run from a Config and its resume plan, in stages: data
+(core/build_data.py, its sampler core/build_sampler.py), model (core/build_model.py), engine
+(core/build_engine.py), evaluator (core/validator.py), then the checkpointer, the reporters and
+the loop's hooks. The path of a run: plan (core/plan.py) -> build (here) -> loop (core/loop.py) ->
 checkpoint hook (core/checkpoint_hook.py); see docs/design.md."""
 
 from __future__ import annotations
@@ -14,20 +15,13 @@ import torch
 from torch import nn
 
 from core.build_data import build_data
-from core.build_model import (
-    build_engine,
-    build_evaluator,
-    build_model,
-    check_inputs,
-    loss_function,
-)
+from core.build_engine import build_engine
+from core.build_model import build_model, check_inputs
 from core.callbacks import CallbackHandler, TrainerCallback, TrainerControl
 from core.checkpoint import RunCheckpointer, trajectory
 from core.checkpoint_hook import CheckpointHook
 from core.config import Config
 from core.data import collate
-from core.data.columns import remove_unused_columns
-from core.data.stream import is_stream
 from core.dist_info import DistInfo
 from core.loop import TrainLoop
 from core.plan import RunPlan, plan_run
@@ -37,7 +31,7 @@ from core.reporting.reporters import build_reporters
 from core.reporting.step_log import StepLog
 from core.seeding import enable_full_determinism, set_seed
 from core.state import TrainState
-from core.validator import Validator
+from core.validator import Validator, build_evaluator
 
 logger = logging.getLogger(__name__)
 
@@ -80,24 +74,19 @@ def build_trainer(
         set_seed(config.run.seed)
     tokenizer, hf = check_inputs(config, parts)
     data = build_data(config, tokenizer, dist_info, parts.train_dataset, parts.eval_dataset)
-    model, hf_files, label_names = build_model(config, parts, hf, tokenizer, device)
-    drop = config.data.remove_unused_columns
-    dataset = remove_unused_columns(data.dataset, model, label_names, drop)
-    eval_dataset = data.eval_dataset
-    if eval_dataset is not None and not is_stream(eval_dataset):
-        eval_dataset = remove_unused_columns(eval_dataset, model, label_names, drop)
-    total_steps = data.steps[1]
-    loss_fn = loss_function(config, label_names)
-    engine = build_engine(config, model, parts, device, total_steps, loss_fn, dist_info)
+    built = build_model(config, parts, hf, tokenizer, device, data)
+    model, dataset, total_steps = built.model, built.dataset, data.steps[1]
+    engine = build_engine(config, model, parts, device, total_steps, built.loss_fn, dist_info)
     evaluator = build_evaluator(
-        config, parts, eval_dataset, model, engine, label_names, dist_info, stop_requested
-    )
+        config, parts, built.eval_dataset, model, engine, built.label_names, dist_info,
+        stop_requested,
+    )  # fmt: skip
     if dist_info.is_main:
         logger.info(
             "model %s: %.2fM parameters; %s samples, %d steps on %d rank(s), device %s",
             type(model).__name__,
             sum(p.numel() for p in model.parameters()) / 1e6,
-            "streamed" if is_stream(dataset) else len(dataset),
+            "streamed" if data.streamed else len(dataset),
             total_steps,
             dist_info.world_size,
             device,
@@ -116,7 +105,7 @@ def build_trainer(
             total_steps,
             tokenizer.fingerprint if tokenizer is not None else None,
         ),
-        hf_files,
+        built.hf_files,
     )
     reporters: list[TrainerCallback] = []
     writer = None

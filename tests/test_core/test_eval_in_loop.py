@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from core.callbacks import EarlyStoppingCallback, TrainerCallback
-from core.config import load_config
+from core.config import ConfigError, load_config
 from core.loop import DistInfo
-from core.run import build_trainer
+from core.run import UserParts, build_trainer
 from tests.checkpoints import load_entry
 from tests.launch import SMALL, read_metrics
 
@@ -49,6 +49,20 @@ def test_holdout_is_taken_from_the_training_data(tmp_path):
     assert len(t.dataset) == 625 - 40
     t.train()
     assert eval_records(tmp_path)[0]["eval_samples"] == 40
+
+
+def test_an_iterable_eval_dataset_is_refused_before_the_model_is_built(tmp_path):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield {"input_ids": torch.zeros(32, dtype=torch.long)}
+
+    def model_init():
+        raise AssertionError("the model was built before the eval data was checked")
+
+    config = load_config(None, [*SMALL, "--run.output_dir", str(tmp_path), *EVAL])
+    parts = UserParts(model_init=model_init, eval_dataset=Stream())
+    with pytest.raises(ConfigError, match="eval_dataset: needs a map-style dataset"):
+        build_trainer(config, DistInfo(), torch.device("cpu"), parts=parts)
 
 
 def test_resume_with_eval_is_exact(tmp_path):
