@@ -14,64 +14,32 @@ checkpoint: a temp directory never matches `checkpoint-<step>`, and a `checkpoin
 a valid manifest is not one.
 
 A save is a snapshot (on the training thread: state encoded and, for a background save, copied
-into staging buffers) followed by a write-and-commit, which runs on the training thread or, with
-`async_save`, on a writer thread over a process group of its own.
+into staging buffers) followed by a write-and-commit (checkpointing/commit.py), which runs on the
+training thread or, with `async_save`, on a writer thread over a process group of its own.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from checkpointing.comm import barrier, broadcast_object, gather_objects
+from checkpointing.comm import barrier, broadcast_object
+from checkpointing.commit import CheckpointSaveError, Committer, Snapshot
 from checkpointing.encoding import encode_views
 from checkpointing.lease import Lease, LeaseLost
-from checkpointing.manifest import (
-    MANIFEST,
-    Manifest,
-)
+from checkpointing.manifest import Manifest
 from checkpointing.restore import Restorer
 from checkpointing.retention import TMP_PREFIX, Housekeeping
-from checkpointing.retry import StorageError, retrying
-from checkpointing.serialize import FileDigest, json_bytes, sync_and_digest, write_encoded
 from checkpointing.staging import BackgroundSave, SaveOutcome, Staging, updated_by_step, wait_for
-from checkpointing.stateful import Entry, rank_name, split_by_size
+from checkpointing.stateful import Entry, rank_name
 from checkpointing.storage import Storage, as_storage
 
 logger = logging.getLogger(__name__)
-
-WRITE_THREADS = 4
-"""Files of one rank's checkpoint written at once (each hashed on a thread of its own too)."""
-
-
-class CheckpointSaveError(StorageError):
-    """A save could not be committed (the store failed after its retries, on some rank)."""
-
-
-@dataclass
-class _Snapshot:
-    """One rank's part of a save, taken on the training thread."""
-
-    step: int
-    target: str
-    """Where files are written: the temp directory (local) or checkpoint-<step> (object store)."""
-    files: list[tuple[str, Any, dict[str, torch.Tensor]]]
-    """(state name, JSON structure, tensors) this rank writes."""
-    directories: list[str]
-    staged: Path | None
-    """Object stores: the local folder holding this rank's directory-entry files to upload."""
-    header: dict[str, Any]
-    rank_checks: dict[str, Any]
-    t0: float = field(default_factory=time.perf_counter)
 
 
 class CheckpointManager:
@@ -110,6 +78,15 @@ class CheckpointManager:
         self._writer_group = None
         if async_save and dist.is_initialized() and dist.get_world_size() > 1:
             self._writer_group = dist.new_group(backend="gloo")
+        self._committer = Committer(
+            self.storage,
+            rank,
+            world_size,
+            engine,
+            self.housekeeping,
+            self._fence,
+            lambda: self.lease.epoch if self.lease is not None else None,
+        )
         self._staging = Staging()
         self._inflight: BackgroundSave | None = None
         self._finished: list[SaveOutcome] = []
@@ -178,7 +155,7 @@ class CheckpointManager:
         }
         snap = self._snapshot(step, entries, header, rank_checks, stage=background)
         if not background:
-            location = self._write_and_commit(snap, self.group)
+            location = self._committer.write_and_commit(snap, self.group)
             return [*done, SaveOutcome(step, location, time.perf_counter() - t0)]
         # Every tensor the writer will read: staging buffers and the private copies encoding
         # made (a GPU tensor is copied to the host there, so the buffers alone undercount).
@@ -194,7 +171,7 @@ class CheckpointManager:
 
         def work() -> str:
             wait_for(copies)  # device-to-host copies still landing in the staging buffers
-            return self._write_and_commit(snap, group)
+            return self._committer.write_and_commit(snap, group)
 
         self._inflight = BackgroundSave(step, work)
         return done
@@ -240,7 +217,7 @@ class CheckpointManager:
         header: dict[str, Any],
         rank_checks: dict[str, Any],
         stage: bool,
-    ) -> _Snapshot:
+    ) -> Snapshot:
         local = self.storage.atomic_rename
         # A temp directory of its own per lease epoch: a job that lost the lease and still
         # writes never writes into the holder's.
@@ -288,7 +265,7 @@ class CheckpointManager:
             files.append((file, structure, tensors))
         if directories:
             barrier(self.group)  # every rank's engine files are written before any is hashed
-        return _Snapshot(step, target, files, directories, staged, header, rank_checks)
+        return Snapshot(step, target, files, directories, staged, header, rank_checks)
 
     def _prepare_target(self, target: str) -> None:
         """Rank 0, before any rank writes: an empty place for this step's files."""
@@ -305,111 +282,6 @@ class CheckpointManager:
             logger.info("removing %s left by an earlier attempt", self.storage.display(target))
             self.housekeeping.delete_once(target)
 
-    def _write_and_commit(self, snap: _Snapshot, group: Any) -> str:
-        """Write this rank's files, gather every rank's digests (or errors), commit on rank 0;
-        every rank learns the outcome. Returns the committed checkpoint's location."""
-        target = self.storage.child(snap.target)
-        digests: dict[str, FileDigest] = {}
-        error = None
-        lost = False
-        try:
-            self._fence(f"writing checkpoint-{snap.step}")
-            digests.update(_write_files(target, snap.files))
-            if snap.directories:
-                digests.update(self._directory_digests(target, snap))
-        except Exception as e:
-            error, lost = f"rank {self.rank}: {e}", isinstance(e, LeaseLost)
-            logger.error("checkpoint-%d: %s", snap.step, error)
-        finally:
-            if snap.staged is not None:
-                shutil.rmtree(snap.staged, ignore_errors=True)
-        gathered = gather_objects((digests, snap.rank_checks, (error, lost)), group)
-        outcome = None
-        if self.rank == 0:
-            errors = [err for _, _, err in gathered if err[0]]
-            if errors:
-                error, lost = errors[0]
-                outcome = (f"checkpoint-{snap.step} was not committed: {error}", lost)
-            else:
-                try:
-                    self._commit(snap, gathered)
-                except Exception as e:
-                    lost = isinstance(e, LeaseLost)
-                    outcome = (f"checkpoint-{snap.step} was not committed: {e}", lost)
-        outcome = broadcast_object(outcome, group)
-        if outcome is not None:
-            message, lost = outcome
-            raise (LeaseLost if lost else CheckpointSaveError)(message)
-        return self.storage.display(f"checkpoint-{snap.step}")
-
-    def _directory_digests(self, target: Storage, snap: _Snapshot) -> dict[str, FileDigest]:
-        if snap.staged is None:
-            # Local: the engine wrote into the shared temp directory; each rank fsyncs and
-            # hashes a share of its files, whoever wrote what.
-            root = target.local_path()
-            sized = [(target.size(rel), rel) for d in snap.directories for rel in target.files(d)]
-            mine = split_by_size(sized, self.world_size, self.rank)
-            with ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="checkpoint-sync") as pool:
-                digests = pool.map(lambda rel: sync_and_digest(root / rel), mine)
-                return dict(zip(mine, digests, strict=True))
-        # Object store: each rank uploads what its engine wrote into its own staging folder.
-        out = {}
-        for path in sorted(p for p in snap.staged.rglob("*") if p.is_file()):
-            rel = path.relative_to(snap.staged).as_posix()
-            out[rel] = retrying(
-                f"uploading {target.display(rel)}",
-                lambda path=path, rel=rel: _upload(target, rel, path),
-                target.retries,
-            )
-        return out
-
-    def _commit(self, snap: _Snapshot, gathered: list[Any]) -> None:
-        files: dict[str, dict[str, Any]] = {}
-        checks = dict(snap.header["checks"])
-        for rank_digests, rchecks, _ in gathered:
-            for rel, d in rank_digests.items():
-                files[rel] = d.record()
-            for key, value in rchecks.items():
-                checks.setdefault(key, []).append(value)
-        manifest = Manifest(
-            step=snap.step,
-            world_size=self.world_size,
-            engine=self.engine,
-            config_fingerprint=snap.header["config_fingerprint"],
-            trajectory=snap.header["trajectory"],
-            files=dict(sorted(files.items())),
-            entries=snap.header["entries"],
-            checks=checks,
-            created=time.time(),
-            lease_epoch=self.lease.epoch if self.lease is not None else None,
-        )
-        final = f"checkpoint-{snap.step}"
-        target = self.storage.child(snap.target)
-        data = json_bytes(asdict(manifest))
-        if self.storage.atomic_rename:
-            for sub in sorted({rel.rpartition("/")[0] for rel in files}):
-                target.sync_dir(sub)
-            self._fence(f"committing {final}")
-            target.write_bytes(MANIFEST, data)  # the commit marker, written last
-            target.sync_dir()
-            self.housekeeping.rename_into_place(snap.target, final)
-        else:
-            # Every object is confirmed written (each rank's upload returned): the manifest
-            # object is the commit.
-            self._fence(f"committing {final}")
-            retrying(
-                f"writing {target.display(MANIFEST)}",
-                lambda: target.write_bytes(MANIFEST, data),
-                target.retries,
-            )
-        logger.info(
-            "saved %s in %.2f s, %.1f MB",
-            final,
-            time.perf_counter() - snap.t0,
-            manifest.total_bytes / 1e6,
-        )
-        self.housekeeping.retain(keep=final)
-
     # -- find and load ------------------------------------------------------------------------
     def resolve(self, resume_from: str) -> tuple[Storage, Manifest] | None:
         """The verified checkpoint to resume (`latest`, `none`, a path or URL); every rank
@@ -419,27 +291,3 @@ class CheckpointManager:
     def load(self, where: Storage, manifest: Manifest, entries: dict[str, Entry]) -> None:
         """Restore every entry from a verified checkpoint, in the mapping's order."""
         self._restorer.load(where, manifest, entries)
-
-
-def _write_files(target: Storage, files: list[tuple[str, Any, Any]]) -> dict[str, FileDigest]:
-    """Write the entries' files, up to WRITE_THREADS at once. Each file's hash runs on a
-    thread of its own beside its writes (BLAKE3 and file writes release the GIL), so with
-    several large entries (model, optimizer) a save is not bound by one core's hashing speed.
-    The first error, in entry order, is raised
-    once every write has ended."""
-    if len(files) <= 1:  # no pool for one file
-        return write_encoded(target, *files[0]) if files else {}
-    with ThreadPoolExecutor(min(WRITE_THREADS, len(files)), "checkpoint-write") as pool:
-        futures = [pool.submit(write_encoded, target, *f) for f in files]
-        wait(futures)
-    digests: dict[str, FileDigest] = {}
-    for future in futures:
-        digests.update(future.result())
-    return digests
-
-
-def _upload(target: Storage, rel: str, path: Path) -> FileDigest:
-    with path.open("rb") as f, target.writer(rel) as w:
-        while chunk := f.read(16 << 20):
-            w.write(chunk)
-    return w.digest()
