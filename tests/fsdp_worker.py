@@ -2,6 +2,10 @@
 or load a checkpoint, optionally save one, and dump the gathered full state (rank 0).
 
     torchrun ... tests/fsdp_worker.py ENGINE --train | --load CKPT [--save DIR] --dump FILE
+                                      [--then ENGINE ... ]
+
+Each `--then` starts another leg in the same processes (a fresh model and engine, the same
+process group), so one launch checks several loads.
 
 The dump is the whole model and the optimizer state by parameter name, gathered from every
 rank (`<FILE>.safetensors`, and the param groups in `<FILE>.json`), so tests compare the state
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -106,9 +111,16 @@ def main() -> None:
     p.add_argument("--load")
     p.add_argument("--save")
     p.add_argument("--dump", required=True)
-    args = p.parse_args()
+    legs, leg = [], []
+    for arg in sys.argv[1:]:
+        if arg == "--then":
+            legs, leg = [*legs, leg], []
+        else:
+            leg.append(arg)
+    legs = [p.parse_args(a) for a in [*legs, leg]]
     dist.init_process_group("gloo")  # torchrun's environment
-    run(args)  # returns holding nothing: the teardown below destroys the groups themselves
+    for args in legs:
+        run(args)  # returns holding nothing: the teardown below destroys the groups themselves
     destroy_distributed(clean=True)
 
 

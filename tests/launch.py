@@ -6,7 +6,10 @@ workers running: cleanup walks torchrun's descendants and kills each one by pid.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import random
 import signal
@@ -64,6 +67,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env["HF_HUB_OFFLINE"] = "1"  # nothing downloads
     env.pop("PYTEST_CURRENT_TEST", None)
+    # Each launch imports the project afresh: let the first compile it for the others (this
+    # machine's environment sets PYTHONDONTWRITEBYTECODE; a user's rarely does).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 
@@ -133,6 +139,37 @@ def run_launcher(
         *overrides,
     ]
     return run(launcher_cmd(nproc, args), cwd=tmp.parent, timeout=timeout, env=env)
+
+
+def refused_here(tmp: Path, *overrides: str, config: str | None = None) -> Result:
+    """`python -m launcher` on one process, run in this one, for a job that must be refused
+    before it trains (an exit code and its log lines): the same main() as a launch, without a
+    process that spends seconds importing torch. What main() sets up (logging's handlers, the
+    signal handlers) is put back."""
+    from launcher.main import main
+
+    args = [
+        "--config",
+        config or str(REPO / "configs" / "tiny.yaml"),
+        "--run.output_dir",
+        str(tmp),
+        "--train.progress_bar",
+        "never",
+        *overrides,
+    ]
+    root, fsspec_log = logging.getLogger(), logging.getLogger("fsspec")
+    handlers, level, fsspec_level = root.handlers[:], root.level, fsspec_log.level
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+            # Without torch's @record (it enables faulthandler on a real stderr for torchrun).
+            code = main.__wrapped__(args)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        fsspec_log.setLevel(fsspec_level)
+    assert code != 0, f"the job was not refused:\n{out.getvalue()}"
+    return Result(code, out.getvalue())
 
 
 def read_metrics(run_dir: Path, summary: bool = False) -> list[dict]:

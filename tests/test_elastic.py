@@ -54,6 +54,7 @@ from tests.launch import (
     kill_tree,
     logged_steps,
     read_metrics,
+    refused_here,
     run_launcher,
 )
 
@@ -215,7 +216,7 @@ def test_impossible_change_is_refused(tmp_path, two_ranks, saving, resuming, mes
         assert run_launcher(ref, 2, *args, *saving).returncode == 0
         checkpoint = ref / "checkpoint-4"
     resume = ("--checkpoint.resume_from", str(checkpoint))
-    result = run_launcher(tmp_path / "res", None, *args, *resume, *resuming)
+    result = refused_here(tmp_path / "res", *args, *resume, *resuming)
     assert result.returncode == 3, result.output
     assert message in result.output
     assert "Traceback" not in result.output

@@ -1,7 +1,8 @@
 """A DeepSpeed checkpoint whose files carry pickles that run a command, with a manifest rewritten
 so every size and hash matches, is refused: a resume exits 3 and `python -m checkpointing
 export` exits 1, each with one line naming the file, and the command never runs (every DeepSpeed
-file is read with torch.load(weights_only=True))."""
+file is read with torch.load(weights_only=True), through the checkpoint engine a resume gives
+DeepSpeed; resumes are launched for two of the plants)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ PLANTS = [
     ("bf16-zero2", "mp_rank_00_model_states.pt", "pickle"),
     ("bf16-zero2", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "torch.save"),
 ]
+# The plants a resume is launched on (each launch is a 2-rank DeepSpeed job): a file rank 1 alone
+# reads (its refusal must stop rank 0 too) and a bare pickle rank 0 reads. DeepSpeed reads model
+# and optimizer files through the one checkpoint engine every plant is refused by in-process.
+LAUNCHED = {PLANTS[0][1], PLANTS[2][1]}
 
 
 def plant(checkpoint: Path, name: str, how: str, marker: Path) -> Path:
@@ -98,6 +103,14 @@ def test_a_planted_pickle_is_refused_and_never_runs(tmp_path, runs, key, name, h
     assert f"FAILED {path}: refused" in capsys.readouterr().err
     assert not out.exists() and not marker.exists()
 
+    # DeepSpeed's checkpoint engine as a resume installs it (core/engines/deepspeed.py).
+    from checkpointing.deepspeed_safe_load import WeightsOnlyCheckpointEngine
+
+    with pytest.raises(CheckpointCorruptError, match="refused"):
+        WeightsOnlyCheckpointEngine(zipfile_serialization=True).load(str(path), "cpu")
+    assert not marker.exists()
+    if name not in LAUNCHED:
+        return
     result = run_launcher(run_dir, 2, *ARGS, *RUNS[key])
     # Every worker refuses the same file and exits 3; torchrun itself exits 1.
     assert result.returncode != 0 and "exitcode: 3" in result.output, result.output

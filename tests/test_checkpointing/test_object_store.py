@@ -3,7 +3,6 @@ exact resume, async save under SIGKILL, the store going away mid-run, retention,
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import signal
 import time
@@ -12,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from checkpointing.cli import main as checkpoint_cli
-from checkpointing.manifest import list_committed, verify
-from tests.checkpoints import assert_same_losses, assert_tensors_equal, exported, load_entry
+from checkpointing.manifest import list_committed
+from tests.checkpoints import assert_same_losses, assert_tensors_equal, load_entry
 from tests.launch import (
-    REPO,
     Output,
     kill_tree,
     logged_steps,
@@ -182,45 +180,3 @@ def test_credentials_are_never_written(tmp_path, s3):
     fs = s3.fs()
     for key in fs.find(url):
         assert secret.encode() not in fs.cat_file(key), key
-
-
-def test_deepspeed_shards_go_through_the_store(tmp_path, s3):
-    """ZeRO-2 with async save to s3: each rank uploads the shards DeepSpeed wrote into its local
-    staging folder; a resume downloads and checks them. After a SIGTERM and a relaunch, the losses
-    and the consolidated weights equal an uninterrupted local run's."""
-    if importlib.util.find_spec("deepspeed") is None:  # not imported here: it sets env vars
-        pytest.skip("the deepspeed extra is not installed")
-    args = (
-        *ARGS[:2],
-        "--train.logging_steps",
-        "1",
-        "--engine.name",
-        "deepspeed",
-        "--engine.deepspeed_config",
-        str(REPO / "configs" / "deepspeed" / "zero2.json"),
-        "--checkpoint.save_steps",
-        "4",
-    )
-    ref = tmp_path / "ref"
-    result = run_launcher(ref, 2, *args)
-    assert result.returncode == 0, result.output
-    url = s3.bucket("deepspeed") + "/run"
-    run_dir = tmp_path / "run"
-    remote = (*args, "--checkpoint.dir", url, "--checkpoint.async_save", "true")
-    proc = start(run_dir, 2, *remote, env=s3.env())
-    try:
-        assert wait_for(lambda: logged_steps(run_dir) >= 10, proc)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    assert "preempted at step" in out, out
-    result = run_launcher(run_dir, 2, *remote, env=s3.env())
-    assert result.returncode == 0, result.output
-    assert f"resumed from {url}/checkpoint-" in result.output
-    assert_same_losses(ref, run_dir)
-    local = tmp_path / "fetched"
-    s3.fs().get(f"{url}/checkpoint-{STEPS}/", str(local), recursive=True)
-    verify(local)  # every shard arrived whole
-    assert_tensors_equal(exported(ref / f"checkpoint-{STEPS}"), exported(local), "weights")

@@ -23,6 +23,7 @@ from tests.launch import (
     last_checkpoint,
     launch,
     read_metrics,
+    refused_here,
     run_launcher,
 )
 from tests.test_elastic import assert_close_run, sample_ids
@@ -182,7 +183,7 @@ def test_store_on_s3_resumes_exactly(store, ref, tmp_path):
 
 
 def _refused(run_dir: Path, store: Path, *extra: str) -> str:
-    result = run_launcher(run_dir, None, *train_args(store)[2:], *extra, config=TINY)
+    result = refused_here(run_dir, *train_args(store)[2:], *extra, config=TINY)
     assert not (run_dir / "metrics.jsonl").exists()  # before the first step
     return f"{result.returncode}\n{result.output}"
 

@@ -40,6 +40,7 @@ from tests.launch import (
     SMALL,
     kill_and_finish,
     read_metrics,
+    refused_here,
     run,
     run_launcher,
 )
@@ -154,19 +155,24 @@ def test_state_after_load_equals_the_saved_state_on_any_ranks_and_engines(tmp_pa
     """Gathered right after loading, every parameter and optimizer tensor equals (torch.equal)
     what was saved: FSDP 2 -> 1, 2 -> 3 (sizes not divisible by 3), 1 -> 2, and the chain
     FSDP -> DDP -> FSDP -> DDP."""
-    w = lambda n, *a: _worker(tmp_path, n, *a)  # noqa: E731
-    w(2, "fsdp", "--train", "--save", "A", "--dump", "a")
-    for n in (1, 3):
-        w(n, "fsdp", "--load", "A/checkpoint-7", "--dump", f"a{n}")
-        _assert_same_dump(tmp_path, "a", f"a{n}")
-    w(2, "ddp", "--load", "A/checkpoint-7", "--save", "B", "--dump", "b")
-    _assert_same_dump(tmp_path, "a", "b")
-    w(2, "fsdp", "--load", "B/checkpoint-7", "--save", "C", "--dump", "c")
-    _assert_same_dump(tmp_path, "a", "c")
-    w(1, "ddp", "--load", "C/checkpoint-7", "--dump", "d")
-    _assert_same_dump(tmp_path, "a", "d")
-    w(1, "fsdp", "--train", "--save", "E", "--dump", "e")
-    w(2, "fsdp", "--load", "E/checkpoint-7", "--dump", "e2")
+    # One launch per rank count, its legs in order (fsdp_worker.py's --then).
+    w = lambda n, *legs: _worker(tmp_path, n, *" --then ".join(legs).split())  # noqa: E731
+    w(
+        2,
+        "fsdp --train --save A --dump a",
+        "ddp --load A/checkpoint-7 --save B --dump b",
+        "fsdp --load B/checkpoint-7 --save C --dump c",
+    )
+    w(
+        1,
+        "fsdp --load A/checkpoint-7 --dump a1",
+        "ddp --load C/checkpoint-7 --dump d",
+        "fsdp --train --save E --dump e",
+    )
+    w(3, "fsdp --load A/checkpoint-7 --dump a3")
+    w(2, "fsdp --load E/checkpoint-7 --dump e2")
+    for got in ("a1", "a3", "b", "c", "d"):
+        _assert_same_dump(tmp_path, "a", got)
     _assert_same_dump(tmp_path, "e", "e2")
 
 
@@ -273,8 +279,8 @@ def test_descriptions_that_do_not_tile_a_tensor_are_refused(tmp_path, reference)
 
 
 def test_a_wrap_class_the_model_lacks_is_a_usage_error(tmp_path):
-    result = run_launcher(
-        tmp_path / "run", None, *SMALL, "--engine.name", "fsdp", "--engine.fsdp", "{wrap: [Nope]}"
+    result = refused_here(
+        tmp_path / "run", *SMALL, "--engine.name", "fsdp", "--engine.fsdp", "{wrap: [Nope]}"
     )
     assert result.returncode == 2, result.output
     assert "engine.fsdp.wrap: Nope matches no module of TinyGPT; its classes are: Block" in (
