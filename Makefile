@@ -10,6 +10,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 NPROC ?= 2
+# The suite runs TEST_JOBS test files at once (pytest-xdist; a file's tests stay on one worker,
+# so a module's reference run is made once). Its tests mostly wait on launched workers that
+# import torch: two jobs keep a 2-core machine's cores busy.
+TEST_JOBS ?= 2
 CONFIG ?= configs/tiny.yaml
 # Every dependency but torch is pinned by the lock the images use; LOCK= installs from ranges.
 LOCK ?= docker/requirements.lock
@@ -35,7 +39,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/hadolint docker/Dockerfile docker/Dockerfile.cpu
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
 # The second stage (root; CI runs it after `test`): the CPU image built and run by a real podman,
 # the Slurm recipe run by a real Slurm on this host. Installs Debian's podman, runc, debootstrap,

@@ -335,12 +335,12 @@ def race_once_let_go(run_dir: Path, nprocs: list[int | None]) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("nproc", [None, 2], ids=["1-worker", "2-workers"])
-def test_two_launches_into_one_run_train_it_once(tmp_path, references, nproc):
-    """Both launches start while the run is held elsewhere, so that they race for it on any
-    machine (started one after the other, the first may finish its 24 steps before the second
-    has imported torch); once it is let go, one trains the whole run while the other waits,
-    then finds it finished."""
+def test_two_launches_into_one_run_train_it_once(tmp_path, references):
+    """Both launches (two workers each; one worker against two: the next test) start while the
+    run is held elsewhere, so that they race for it on any machine (started one after the
+    other, the first may finish its 24 steps before the second has imported torch); once it is
+    let go, one trains the whole run while the other waits, then finds it finished."""
+    nproc = 2
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     race_once_let_go(run_dir, [nproc, nproc])
