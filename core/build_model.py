@@ -18,10 +18,9 @@ from core.build_data import DataParts
 from core.config import HF_PREFIX, Config, ConfigError
 from core.data import HFTokenizer, load_tokenizer
 from core.data.columns import default_label_names, remove_unused_columns
-from core.data.tokenizers import check_vocab
 from core.losses import LabelSmoother, compute_loss
 from core.models import build_model as build_named_model
-from core.models import call_model, embedding_rows
+from core.models import call_model, check_vocab, embedding_rows
 from core.models.hf import HFSource, export_files, resolve_hf
 
 if TYPE_CHECKING:

@@ -15,8 +15,9 @@ from torch.utils.data import Subset
 from checkpointing.comm import broadcast_object, gather_objects
 from core.config import DataConfig
 from core.data.errors import DataError
-from core.data.pieces import hash_source, resolve_sources, tokenizer_identity
-from core.data.store import StoreError, is_store, open_fs, verify_shard
+from core.data.pieces import resolve_sources, tokenizer_identity
+from core.data.sources import hash_source
+from core.data.store import StoreError, is_store, open_fs, open_source, verify_shard
 from core.data.store_reader import TokenStore, UniformLengths
 from core.data.tokenizers import HFTokenizer
 
@@ -86,7 +87,8 @@ def _check_share(cfg: DataConfig, store: TokenStore, rank: int, world: int) -> N
     recorded = {s.get("name"): s for s in store.index.sources}
     if cfg.source == "stdlib" and list(recorded) != ["stdlib"]:
         return  # data.source left at its default: the store alone is the data
-    src_fs, sources = resolve_sources(cfg)
+    opened = open_source(cfg)
+    src_fs, sources = resolve_sources(cfg, opened)
     names = [s.name for s in sources]
     if sorted(recorded) != sorted(names):
         raise DataError(

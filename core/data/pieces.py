@@ -1,6 +1,6 @@
 """The sources of `python -m launcher prepare` cut into pieces, and one piece tokenised in a
 worker process exactly as the in-memory pipeline tokenises it (core/data/encode.py): the files of
-data.source (sorted; local or fsspec URLs), their hashes, the tokenizer identity a store records;
+data.source (sorted; local or fsspec URLs), the tokenizer identity a store records;
 a JSON-lines or text piece is a byte range holding the lines that start in it, a parquet piece a
 row group. core/data/prepare.py writes the pieces' tokens in order."""
 
@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import blake3
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -21,7 +20,7 @@ from core.config import DataConfig
 from core.data.encode import encode_bytes, encode_text, token_dtype
 from core.data.errors import DataError
 from core.data.sources import FORMAT_BY_SUFFIX, stdlib_records
-from core.data.store import open_fs
+from core.data.store import open_source
 from core.data.tokenizers import BYTES_VOCAB, HFTokenizer, load_tokenizer
 
 
@@ -58,29 +57,30 @@ def store_dtype(tokenizer: HFTokenizer | None) -> str:
 
 
 # -- sources ----------------------------------------------------------------------------------
-def resolve_sources(cfg: DataConfig) -> tuple[Any, list[Source]]:
-    """(source filesystem, the files of data.source in sorted order). stdlib: one source."""
-    if cfg.source == "stdlib":
-        size = sum(map(len, stdlib_records(cfg.max_bytes)))
-        return None, [Source("stdlib", "stdlib", "stdlib", size)]
-    fs, path = open_fs(cfg.source, cfg.storage_options)
-    try:
-        if any(ch in path for ch in "*?["):
-            paths = sorted(p for p in fs.glob(path) if fs.isfile(p))
-            base = path[: min(path.find(ch) for ch in "*?[" if ch in path)].rsplit("/", 1)[0]
-        else:
-            paths = [path] if fs.isfile(path) else []
-            base = path.rsplit("/", 1)[0]
-        sizes = [fs.size(p) for p in paths]
-    except OSError as e:
-        raise DataError(f"data.source: cannot list {cfg.source!r}: {e}") from e
-    if not paths:
-        raise DataError(f"data.source: no files match {cfg.source!r}")
-    sources = []
-    for p, size in zip(paths, sizes, strict=True):
-        name = p[len(base) + 1 :] if base and p.startswith(base + "/") else p.rsplit("/", 1)[-1]
-        sources.append(Source(p, name, _format(cfg, p), size))
-    return fs, sources
+def resolve_sources(cfg: DataConfig, opened: tuple[Any, str] | None) -> tuple[Any, list[Source]]:
+    """(source filesystem, the files of data.source in sorted order); `opened` is data.source
+    opened by core/data/store.py:open_source (None: the built-in stdlib corpus, one source)."""
+    if opened is not None:
+        fs, path = opened
+        try:
+            if any(ch in path for ch in "*?["):
+                paths = sorted(p for p in fs.glob(path) if fs.isfile(p))
+                base = path[: min(path.find(ch) for ch in "*?[" if ch in path)].rsplit("/", 1)[0]
+            else:
+                paths = [path] if fs.isfile(path) else []
+                base = path.rsplit("/", 1)[0]
+            sizes = [fs.size(p) for p in paths]
+        except OSError as e:
+            raise DataError(f"data.source: cannot list {cfg.source!r}: {e}") from e
+        if not paths:
+            raise DataError(f"data.source: no files match {cfg.source!r}")
+        sources = []
+        for p, size in zip(paths, sizes, strict=True):
+            name = p[len(base) + 1 :] if base and p.startswith(base + "/") else p.rsplit("/", 1)[-1]
+            sources.append(Source(p, name, _format(cfg, p), size))
+        return fs, sources
+    size = sum(map(len, stdlib_records(cfg.max_bytes)))
+    return None, [Source("stdlib", "stdlib", "stdlib", size)]
 
 
 def _format(cfg: DataConfig, path: str) -> str:
@@ -96,19 +96,6 @@ def _format(cfg: DataConfig, path: str) -> str:
             f"{', '.join(FORMAT_BY_SUFFIX)}, or set data.format"
         )
     return fmt
-
-
-def hash_source(fs: Any, source: Source, cfg: DataConfig) -> str:
-    """BLAKE3 of a source file's bytes (streamed; stdlib: of its records)."""
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    if fs is None:
-        for record in stdlib_records(cfg.max_bytes):
-            h.update(record)
-        return h.hexdigest()
-    with fs.open(source.path, "rb") as f:
-        while block := f.read(16 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def pieces(fs: Any, sources: list[Source], piece_bytes: int) -> Iterator[Piece]:
@@ -132,7 +119,8 @@ _WORKER: dict[str, Any] = {}
 
 
 def init_worker(cfg: DataConfig, sources: list[Source]) -> None:
-    fs = None if cfg.source == "stdlib" else open_fs(cfg.source, cfg.storage_options)[0]
+    opened = open_source(cfg)
+    fs = None if opened is None else opened[0]
     _WORKER.update(cfg=cfg, sources=sources, fs=fs, tokenizer=load_tokenizer(cfg))
 
 

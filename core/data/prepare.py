@@ -35,7 +35,6 @@ from core.data.errors import DataError
 from core.data.pieces import (
     Piece,
     Source,
-    hash_source,
     init_worker,
     pieces,
     resolve_sources,
@@ -43,6 +42,7 @@ from core.data.pieces import (
     tokenize_piece,
     tokenizer_identity,
 )
+from core.data.sources import hash_source
 from core.data.store import (
     FORMAT,
     HASH,
@@ -50,6 +50,7 @@ from core.data.store import (
     VERSION,
     StoreIndex,
     open_fs,
+    open_source,
 )
 from core.data.tokenizers import load_tokenizer
 from core.data.writer import JOURNAL, _Out, _Shards
@@ -73,7 +74,8 @@ def prepare(cfg: DataConfig, progress: bool = True) -> StoreIndex:
     tokenizer = load_tokenizer(cfg)
     if tokenizer is not None and tokenizer.eos_id is None:
         raise DataError(f"data.tokenizer: {tokenizer.spec} has no eos_token to end documents")
-    src_fs, sources = resolve_sources(cfg)
+    opened = open_source(cfg)
+    src_fs, sources = resolve_sources(cfg, opened)
     fs, root = open_fs(cfg.store, cfg.storage_options)
     out = _Out(fs, root, cfg.store)
     dtype = store_dtype(tokenizer)

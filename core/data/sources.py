@@ -2,7 +2,8 @@
 download), or text / json(l) / parquet files read with datasets' builders (cached as Arrow).
 
 Record order depends only on the input (files sorted, then their rows in order), so a sampler
-position means the same batch after a restart.
+position means the same batch after a restart. A source's BLAKE3 (`hash_source`) is what a token
+store records of it, to tell when it changed.
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ import logging
 import os
 import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import blake3
 import datasets
 import pyarrow as pa
 
 from core.config import DataConfig, first_line
 from core.data.errors import DataError
+
+if TYPE_CHECKING:
+    from core.data.pieces import Source
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +132,17 @@ def text_column(raw: datasets.Dataset, cfg: DataConfig, fmt: str) -> str:
     if raw.features[field] not in (datasets.Value("string"), datasets.Value("large_string")):
         raise DataError(f"data.text_field: column {field!r} holds {raw.features[field]}, not text")
     return field
+
+
+def hash_source(fs: Any, source: Source, cfg: DataConfig) -> str:
+    """BLAKE3 of a source file's bytes (streamed; stdlib, `fs` None: of its records), as a
+    token store records it (core/data/pieces.py lists the sources)."""
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if fs is None:
+        for record in stdlib_records(cfg.max_bytes):
+            h.update(record)
+        return h.hexdigest()
+    with fs.open(source.path, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    return h.hexdigest()

@@ -35,6 +35,7 @@ import fsspec
 import numpy as np
 
 from checkpointing.manifest import CheckpointError
+from core.config import DataConfig
 from core.data.errors import DataError
 
 FORMAT = "token-store"
@@ -174,6 +175,13 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[An
     except (ImportError, ValueError, TypeError) as e:
         raise DataError(f"data.store: cannot open {url!r}: {e}") from e
     return fs, root.rstrip("/")
+
+
+def open_source(cfg: DataConfig) -> tuple[Any, str] | None:
+    """data.source opened as `open_fs` opens a store; None for the built-in stdlib corpus."""
+    if cfg.source == "stdlib":
+        return None
+    return open_fs(cfg.source, cfg.storage_options)
 
 
 def is_store(url: str, storage_options: dict[str, Any] | None = None) -> bool:

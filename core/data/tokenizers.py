@@ -124,20 +124,3 @@ def load_tokenizer(cfg: DataConfig) -> HFTokenizer | None:
             f"({type(tokenizer).__name__}); only fast tokenizers (tokenizer.json) are supported"
         )
     return HFTokenizer(cfg.tokenizer, tokenizer)
-
-
-def vocab_size(tokenizer: HFTokenizer | None) -> int:
-    """How many ids the tokenizer can produce."""
-    return BYTES_VOCAB if tokenizer is None else tokenizer.vocab_size
-
-
-def check_vocab(tokenizer: HFTokenizer | None, rows: int | None, model: str) -> None:
-    """Refuse a tokenizer whose ids would index past the model's embedding (`rows` ids)."""
-    n = vocab_size(tokenizer)
-    if rows is not None and n > rows:
-        name = "bytes" if tokenizer is None else tokenizer.spec
-        raise DataError(
-            f"data.tokenizer: {name} produces ids up to {n - 1} ({n} tokens), but the model "
-            f"{model} has an embedding of {rows} rows; use the model's own tokenizer, or a "
-            f"model with vocab_size >= {n}"
-        )

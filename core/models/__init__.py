@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from core.config import HF_PREFIX, ConfigError, ModelConfig
+from core.data.errors import DataError
+from core.data.tokenizers import BYTES_VOCAB, HFTokenizer
 from core.models.hf import (
     DTYPES,
     HFSource,
@@ -56,6 +58,20 @@ def build_model(cfg: ModelConfig, hf: HFSource | None = None) -> nn.Module:
         model.gradient_checkpointing_enable()
     # float32 leaves a model as its factory built it (a factory may mix dtypes on purpose).
     return model if cfg.dtype == "float32" else model.to(DTYPES[cfg.dtype])
+
+
+def check_vocab(tokenizer: HFTokenizer | None, rows: int | None, model: str) -> None:
+    """Refuse a tokenizer whose ids would index past a model's embedding (`rows` ids; None:
+    the model does not say): the model's side of the data it is given, checked before any
+    of it is tokenised where the model's size is known from its config (core/build_model.py)."""
+    n = BYTES_VOCAB if tokenizer is None else tokenizer.vocab_size
+    if rows is not None and n > rows:
+        name = "bytes" if tokenizer is None else tokenizer.spec
+        raise DataError(
+            f"data.tokenizer: {name} produces ids up to {n - 1} ({n} tokens), but the model "
+            f"{model} has an embedding of {rows} rows; use the model's own tokenizer, or a "
+            f"model with vocab_size >= {n}"
+        )
 
 
 def embedding_rows(model: nn.Module) -> int | None:

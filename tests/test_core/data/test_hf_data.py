@@ -15,7 +15,8 @@ import torch
 
 from core.config import ConfigError, DataConfig
 from core.data import DataError, build_dataset, collate, dataset_fingerprint, load_tokenizer
-from core.data.tokenizers import HFTokenizer, check_vocab
+from core.data.tokenizers import HFTokenizer
+from core.models import check_vocab
 
 IGNORE = -100
 
