@@ -121,6 +121,20 @@ def run(
     return Result(proc.returncode, out)
 
 
+def launcher_args(tmp: Path, overrides: tuple[str, ...], config: str | None) -> list[str]:
+    """The launcher's arguments for a run in `tmp`: the config (tiny.yaml unless given), no
+    progress bar, then `overrides`."""
+    return [
+        "--config",
+        config or str(REPO / "configs" / "tiny.yaml"),
+        "--run.output_dir",
+        str(tmp),
+        "--train.progress_bar",
+        "never",
+        *overrides,
+    ]
+
+
 def run_launcher(
     tmp: Path,
     nproc: int | None,
@@ -129,34 +143,18 @@ def run_launcher(
     timeout: float = 240,
     env: dict[str, str] | None = None,
 ) -> Result:
-    args = [
-        "--config",
-        config or str(REPO / "configs" / "tiny.yaml"),
-        "--run.output_dir",
-        str(tmp),
-        "--train.progress_bar",
-        "never",
-        *overrides,
-    ]
+    args = launcher_args(tmp, overrides, config)
     return run(launcher_cmd(nproc, args), cwd=tmp.parent, timeout=timeout, env=env)
 
 
 def refused_here(tmp: Path, *overrides: str, config: str | None = None) -> Result:
     """`python -m launcher` on one process, run in this one, for a job that must be refused
     before it trains (an exit code and its log lines): the same main() as a launch, without a
-    process that spends seconds importing torch. What main() sets up (logging's handlers, the
-    signal handlers) is put back."""
+    process that spends seconds importing torch. The logging setup main() replaces is put back
+    (its session restores the signal handlers itself)."""
     from launcher.main import main
 
-    args = [
-        "--config",
-        config or str(REPO / "configs" / "tiny.yaml"),
-        "--run.output_dir",
-        str(tmp),
-        "--train.progress_bar",
-        "never",
-        *overrides,
-    ]
+    args = launcher_args(tmp, overrides, config)
     root, fsspec_log = logging.getLogger(), logging.getLogger("fsspec")
     handlers, level, fsspec_level = root.handlers[:], root.level, fsspec_log.level
     out = io.StringIO()
