@@ -110,7 +110,8 @@ def build_trainer(
     reporters: list[TrainerCallback] = []
     writer = None
     if dist_info.is_main:
-        writer = LineWriter()
+        # A job that lost the run's lease writes no more lines into it (see LineWriter).
+        writer = LineWriter(may_write=lambda: not checkpointer.lease_lost())
         reporters = build_reporters(
             config, total_steps, dist_info.world_size, dist_info.restart_count, writer
         )

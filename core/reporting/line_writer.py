@@ -12,6 +12,11 @@ written: the loop drains before a checkpoint save (a committed step's lines are 
 its commit, so truncation on resume stays exact), and `close()` drains on every way out
 (the end, a preemption, an error). A line is on disk at most `interval_s` after its step
 otherwise; a SIGKILL loses at most that much, all of it past the last checkpoint.
+
+`may_write` fences the lines to the job that holds the run: a job frozen (SIGSTOP, a stalled
+node) with lines queued and taken over meanwhile must not append them once it runs again, after
+the new holder's lines (its drain on the way out would). Each batch asks first and drops what is
+queued once the answer is no.
 """
 
 from __future__ import annotations
@@ -31,13 +36,17 @@ INTERVAL_S = 0.1
 class LineWriter:
     """Runs submitted calls in order on a background thread (started on the first submit).
 
+    `may_write` (optional): asked before each batch; once False, queued calls are dropped.
     A call that raises stops the writing: the error is raised again by the next `submit` or
     `drain` on the step thread, so a failed write (a full disk) still fails the run.
     `after_batch` callables (a file's flush) run once after each batch instead of per line.
     """
 
-    def __init__(self, interval_s: float | None = None) -> None:
+    def __init__(
+        self, interval_s: float | None = None, may_write: Callable[[], bool] | None = None
+    ) -> None:
         self.interval_s = INTERVAL_S if interval_s is None else interval_s
+        self.may_write = may_write
         self._pending: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
         # Held while a batch runs: a drain on the step thread waits for the thread's batch, so
         # lines never pass each other.
@@ -99,6 +108,11 @@ class LineWriter:
     def _run_pending(self) -> None:
         pending, ran = self._pending, False
         try:
+            if pending and self.may_write is not None and not self.may_write():
+                n = len(pending)
+                logger.warning("the run is no longer this job's: %d report line(s) dropped", n)
+                pending.clear()
+                return
             while pending and self._error is None:
                 fn, args = pending.popleft()
                 ran = True

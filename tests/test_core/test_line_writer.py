@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import core.reporting.line_writer
+from checkpointing.lease import Holder, Lease, LeaseLost, try_acquire
+from checkpointing.storage import open_storage
 from core.callbacks import TrainerCallback, TrainerControl
 from core.config import load_config
 from core.loop import DistInfo
@@ -108,6 +110,30 @@ def test_lines_are_on_disk_after_a_crash(tmp_path, idle_thread, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "core.reporting.metrics"]
     assert [line.split()[1] for line in lines] == [f"{k}/8" for k in range(1, 6)]
     assert not any(t.name == "line-writer" for t in threading.enumerate())
+
+
+class TakenOverAt(TrainerCallback):
+    """Another job takes the run over after step 3's line was queued, and this one learns it
+    (its heartbeat does) before step 4: test_lease's frozen job, in one process."""
+
+    def __init__(self, run_dir):
+        self.run_dir = run_dir
+
+    def on_log(self, config, state, control, logs):
+        if logs.get("step") == 3:
+            holder = Holder("elsewhere", 4242, None, None, "job-7", time.time())
+            taken = try_acquire(open_storage(self.run_dir), holder, 1.0, now=time.time() + 10)
+            assert isinstance(taken, Lease)
+            time.sleep(1.0)  # four heartbeats of a 1 s lease: the loss is known
+
+
+def test_a_job_that_lost_the_run_writes_none_of_its_queued_lines(tmp_path, idle_thread, caplog):
+    """Its drain on the way out would have appended steps 1-3 after the new holder's lines."""
+    config = config_for(tmp_path, "--run.lease_timeout_s", "1")
+    with caplog.at_level(logging.WARNING), pytest.raises(LeaseLost):
+        Trainer(args=config, callbacks=[TakenOverAt(tmp_path)]).train()
+    assert read_metrics(tmp_path) == []
+    assert "no longer this job's: 3 report line(s) dropped" in caplog.text
 
 
 def test_lines_are_on_disk_after_a_preemption(tmp_path, idle_thread, caplog):
