@@ -1,9 +1,10 @@
 """Hugging Face models and tokenizers under torchrun (2 processes, gloo), from the ready configs
 configs/hf-pretrain.yaml and configs/sft-chat.yaml with a tiny local Llama and tokenizer: random
 SIGKILLs (some mid-save), relaunched with the same command until done, end bit-identical to the
-uninterrupted run (every logged loss, model and optimizer with torch.equal); DeepSpeed ZeRO 1-3
-resume exactly, and a ZeRO-3 or FSDP checkpoint (after a SIGKILL) exports (--hf) a model whose
-logits equal the live one's.
+uninterrupted run (every logged loss, model and optimizer with torch.equal); a ZeRO-3 or FSDP
+run resumes exactly after a SIGKILL and its checkpoint exports (--hf) a model whose logits equal
+the live one's. (ZeRO 1 and 2 keep a model file and an optimizer partition per rank whatever the
+model: their resumes are tests/test_core/engines/test_deepspeed.py's, on TinyGPT.)
 Tokenising runs on the first rank only; the others read its cache."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from checkpointing.cli import main as export_main
-from tests.checkpoints import assert_same_checkpoint, assert_same_losses, seed_resume_dir
+from tests.checkpoints import assert_same_checkpoint, assert_same_losses
 from tests.conftest import free_port
 from tests.launch import REPO, kill_and_finish, last_checkpoint, launch, launcher_cmd, run
 
@@ -138,19 +139,6 @@ def ds_args(assets, stage: int) -> tuple[str, ...]:
     return sharded_args(assets, "--engine.name", "deepspeed", "--engine.deepspeed_config", config)
 
 
-# ZeRO-1 and 2 keep the same files (each stage's resume: tests/test_core/engines/test_deepspeed).
-@pytest.mark.parametrize("stage", [2])
-def test_deepspeed_zero_1_2_resume_exactly(hf_assets, cache, tmp_path, stage):
-    pytest.importorskip("deepspeed")
-    args = ds_args(hf_assets, stage)
-    ref = tmp_path / "ref"
-    launch(ref, args, cache)
-    run_dir = tmp_path / "run"
-    seed_resume_dir(ref, run_dir, 8)
-    assert f"resumed from {run_dir / 'checkpoint-8'}" in launch(run_dir, args, cache)
-    assert_same_losses(ref, run_dir)
-
-
 @pytest.mark.parametrize("engine", ["zero3", "fsdp"])
 def test_sharded_engine_resumes_after_sigkill_and_exports_the_live_model(
     hf_assets, cache, tmp_path, engine
@@ -188,7 +176,11 @@ def test_sharded_engine_resumes_after_sigkill_and_exports_the_live_model(
 # -- tokenising once ------------------------------------------------------------------------
 
 
-def _build_worker(rank: int, port: int, cache_dir: str, assets, mode: str, results) -> None:
+MODES = ("builds", "differs", "fails")
+
+
+def _build_worker(rank: int, port: int, tmp: str, assets, results) -> None:
+    """Each of MODES in turn, in one process group (its own cache directory per mode)."""
     import datasets
     import torch.distributed as dist
 
@@ -197,55 +189,58 @@ def _build_worker(rank: int, port: int, cache_dir: str, assets, mode: str, resul
     from core.data.ranks import check_same_data, main_process_first
     from core.data.tokenizers import HFTokenizer
 
-    datasets.config.HF_DATASETS_CACHE = Path(cache_dir)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    encode = HFTokenizer.encode
     try:
-        source = str(assets.text)
-        if mode == "differs" and rank == 1:  # this node's copy of the file is another
-            source = str(Path(cache_dir).parent / "other.txt")
-            Path(source).write_text("a checkpoint keeps every state\n" * 80)
-        cfg = DataConfig(source=source, tokenizer=f"hf:{assets.tokenizer}", seq_len=32)
-        if rank == 1 and mode == "builds":
+        for mode in MODES:
+            cache_dir = Path(tmp) / mode / "cache"
+            datasets.config.HF_DATASETS_CACHE = cache_dir
+            source = str(assets.text)
+            if mode == "differs" and rank == 1:  # this node's copy of the file is another
+                source = str(cache_dir.parent / "other.txt")
+                cache_dir.parent.mkdir(parents=True, exist_ok=True)
+                Path(source).write_text("a checkpoint keeps every state\n" * 80)
+            cfg = DataConfig(source=source, tokenizer=f"hf:{assets.tokenizer}", seq_len=32)
+            if rank == 1 and mode == "builds":
 
-            def refuse(*args, **kwargs):
-                raise AssertionError("rank 1 tokenised instead of reading rank 0's cache")
+                def refuse(*args, **kwargs):
+                    raise AssertionError("rank 1 tokenised instead of reading rank 0's cache")
 
-            HFTokenizer.encode = refuse  # this process only
-        if mode == "fails" and rank == 0:
-            cfg = DataConfig(source=source, tokenizer="hf:/no/such/tokenizer")
-        try:
-            ds = main_process_first(lambda: build_dataset(cfg), rank, rank)
-            check_same_data(dataset_fingerprint(ds), rank)
-            results[rank] = len(ds)
-        except DataError as e:
-            results[rank] = f"DataError: {e}"
+                HFTokenizer.encode = refuse  # this process only, for this mode
+            if mode == "fails" and rank == 0:
+                cfg = DataConfig(source=source, tokenizer="hf:/no/such/tokenizer")
+            try:
+                ds = main_process_first(lambda cfg=cfg: build_dataset(cfg), rank, rank)
+                check_same_data(dataset_fingerprint(ds), rank)
+                results[(mode, rank)] = len(ds)
+            except DataError as e:
+                results[(mode, rank)] = f"DataError: {e}"
+            finally:
+                HFTokenizer.encode = encode
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["builds", "fails", "differs"])
-def test_the_first_rank_tokenises_and_the_others_read_its_cache(hf_assets, tmp_path, mode):
-    """`builds`: rank 1 reads rank 0's cache (its tokenizer would raise); `fails`: rank 0's error
-    stops rank 1 too, no hang; `differs`: ranks that built other samples stop before training."""
+def test_the_first_rank_tokenises_and_the_others_read_its_cache(hf_assets, tmp_path):
+    """`builds`: rank 1 reads rank 0's cache (its tokenizer would raise); `differs`: ranks that
+    built other samples stop before training; `fails`: rank 0's error stops rank 1 too, no hang
+    (one pair of processes runs the three in turn: a failed build leaves the group usable)."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         mp.start_processes(
             _build_worker,
-            args=(free_port(), str(tmp_path / "cache"), hf_assets, mode, results),
+            args=(free_port(), str(tmp_path), hf_assets, results),
             nprocs=2,
             start_method="spawn",
         )  # joins both
         got = dict(results)
-    if mode == "fails":
-        assert got[0].startswith("DataError: data.tokenizer: no such directory")
-        assert got[1] == (
-            "DataError: data: building the datasets failed on another rank (see its log)"
-        )
-    elif mode == "differs":
-        assert (
-            got[0] == "DataError: data: another rank built other samples than rank 0 (see its log)"
-        )
-        assert got[1].startswith("DataError: data: rank 1 built other samples than rank 0")
-    else:
-        assert got[0] == got[1] > 100
+    assert got[("builds", 0)] == got[("builds", 1)] > 100
+    assert got[("differs", 0)] == (
+        "DataError: data: another rank built other samples than rank 0 (see its log)"
+    )
+    assert got[("differs", 1)].startswith("DataError: data: rank 1 built other samples than rank 0")
+    assert got[("fails", 0)].startswith("DataError: data.tokenizer: no such directory")
+    assert got[("fails", 1)] == (
+        "DataError: data: building the datasets failed on another rank (see its log)"
+    )
