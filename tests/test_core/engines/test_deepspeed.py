@@ -37,6 +37,7 @@ from tests.launch import (
     launcher_cmd,
     logged_steps,
     read_metrics,
+    refused_here,
     run,
     run_launcher,
     saving,
@@ -191,21 +192,19 @@ def _ref_and_resume(tmp_path: Path, args: tuple[str, ...], step: int) -> tuple[P
     return ref, run_dir
 
 
-def test_bf16_zero2_resumes_exactly(tmp_path):
-    ref, _ = _ref_and_resume(tmp_path, ds_args(2, "--train.bf16", "true"), 16)
+def test_bf16_zero2_with_deepspeeds_own_optimizer_and_schedule_resumes_exactly(tmp_path):
+    """bf16 at ZeRO-2, with the optimizer and schedule named in the DeepSpeed config (its
+    WarmupLR's state lives in DeepSpeed's own files): one run and its resume show both."""
+    ds = (
+        "{zero_optimization: {stage: 2}, optimizer: {type: AdamW, params: {lr: 0.001, "
+        "torch_adam: true}}, scheduler: {type: WarmupLR, params: {warmup_num_steps: 10}}}"
+    )
+    args = ds_args(2, "--train.bf16", "true", "--engine.deepspeed_config", ds)
+    ref, _ = _ref_and_resume(tmp_path, args, 16)
     # bf16 really ran: DeepSpeed keeps the module in bf16 (fp32 master weights in the shards).
     shards = ref / f"checkpoint-{STEPS}" / "deepspeed"
     module = torch.load(next(shards.rglob("mp_rank_00_model_states.pt")), weights_only=True)
     assert module["module"]["wte.weight"].dtype == torch.bfloat16
-
-
-def test_optimizer_and_scheduler_named_in_the_deepspeed_config(tmp_path):
-    ds = (
-        "{zero_optimization: {stage: 1}, optimizer: {type: AdamW, params: {lr: 0.001, "
-        "torch_adam: true}}, scheduler: {type: WarmupLR, params: {warmup_num_steps: 10}}}"
-    )
-    args = (*ds_args(1), "--engine.deepspeed_config", ds)
-    ref, _ = _ref_and_resume(tmp_path, args, 16)
     # DeepSpeed's WarmupLR (log warmup to its default 0.001 over 10 steps) drove the lr, and
     # the resume restored it from DeepSpeed's own files: the lrs matched above.
     lrs = [m["lr"] for m in read_metrics(ref)]
@@ -267,16 +266,18 @@ def test_deepspeed_config_file_errors():
 
 
 def test_conflict_exits_2_from_the_launcher(tmp_path):
-    result = run_launcher(
-        tmp_path / "run", 2, *ds_args(1), "--engine.deepspeed_config", "{gradient_clipping: 3}"
+    """Refused before anything is built (the launcher's main in this process, see
+    tests/launch.py:refused_here): the check does not wait for torchrun's workers."""
+    result = refused_here(
+        tmp_path / "run", *ds_args(1), "--engine.deepspeed_config", "{gradient_clipping: 3}"
     )
-    assert result.returncode != 0
+    assert result.returncode == 2, result.output
     assert "engine.deepspeed_config: gradient_clipping is 3" in result.output
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
 def test_a_single_process_without_torchrun_gets_a_clear_error(tmp_path):
-    result = run_launcher(tmp_path / "run", None, *ds_args(1))
+    result = refused_here(tmp_path / "run", *ds_args(1))
     assert result.returncode == 2, result.output
     assert "engine.name: deepspeed runs under torchrun" in result.output
 
