@@ -1,6 +1,6 @@
 """The FSDP engine: sharded checkpoints reload exactly on other numbers of ranks and across
-engines (DDP -> FSDP -> DDP), random SIGKILLs end bit-identical to an uninterrupted run (fp32
-and bf16 with async saves), a resume on 3 ranks sees the very global batches of the 2-rank run,
+engines (DDP -> FSDP -> DDP), random SIGKILLs end bit-identical to an uninterrupted run (bf16
+with async saves), a resume on 3 ranks sees the very global batches of the 2-rank run,
 and hostile or inconsistent files are refused (exit 3) without being executed.
 
 Tolerance of a resume on another number of ranks: gradients are summed in another order (the
@@ -198,16 +198,11 @@ def assert_same_sharded(a: Path, b: Path, tmp: Path) -> None:
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
 
-def test_sigkills_mid_save_and_mid_step_end_bit_identical(tmp_path, reference):
-    ref, _ = reference
-    run_dir = tmp_path / "run"
-    kill_and_finish(run_dir, ARGS, {}, ["save", "step"], seed=1234)
-    assert_same_losses(ref, run_dir)
-    last = f"checkpoint-{STEPS}"
-    assert_same_sharded(ref / last, run_dir / last, tmp_path)
-
-
 def test_bf16_with_async_saves_survives_sigkills_bit_identical(tmp_path):
+    """Killed mid-save (a background write of this rank's shards) and mid-step. The shards go
+    through the writers every engine uses (a kill mid-way through a save made inline is
+    tests/test_interruptions.py's); what is FSDP's own, the sharded state and its reload, is
+    the same in fp32 (the load-equals-save matrix above) and in bf16."""
     ref, run_dir = tmp_path / "ref", tmp_path / "run"
     result = run_launcher(ref, 2, *ARGS, *BF16)
     assert result.returncode == 0, result.output
