@@ -3,9 +3,7 @@ relaunched with the same command until done, ending bit-identical to an uninterr
 
 from __future__ import annotations
 
-import random
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from checkpointing.manifest import list_checkpoints, verify
 from core.reporting.history import AttemptStart, read_history
 from tests.checkpoints import assert_same_checkpoint, assert_same_losses
 from tests.launch import (
+    kill_and_finish,
     kill_tree,
     logged_steps,
     read_metrics,
@@ -50,27 +49,10 @@ def assert_every_checkpoint_valid(run_dir: Path) -> None:
 
 
 def test_sigkill_at_random_moments_including_mid_save(tmp_path, reference):
+    """Killed (torchrun and every worker) twice the instant a save is under way and once at a
+    random step, every checkpoint verified after each kill; the relaunch ends bit-identical."""
     run_dir = tmp_path / "run"
-    rng = random.Random(1234)
-    kills = 0
-    # Kill points: twice the instant a save is under way, twice at a random step.
-    plans = ["save", "step", "save", "step"]
-    for plan in plans:
-        proc = start(run_dir, 2, *ARGS)
-        if plan == "save":
-            hit = wait_for(lambda: saving(run_dir), proc)
-            time.sleep(rng.uniform(0, 0.05))
-        else:
-            target = logged_steps(run_dir) + rng.randint(1, 6)
-            hit = wait_for(lambda t=target: logged_steps(run_dir) >= t, proc)
-            time.sleep(rng.uniform(0, 0.1))
-        kill_tree(proc)
-        kills += hit
-        assert_every_checkpoint_valid(run_dir)
-    assert kills >= 3, "the run finished before most kills: the test tested nothing"
-    proc = start(run_dir, 2, *ARGS)
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, out
+    kill_and_finish(run_dir, ARGS, {}, ["save", "step", "save"], seed=1234)
     assert_same_losses(reference, run_dir)
     assert_same_checkpoint(reference / f"checkpoint-{STEPS}", run_dir / f"checkpoint-{STEPS}")
 
