@@ -12,9 +12,13 @@ if __name__ == "__main__":
 
         sys.exit(report_main(sys.argv[1:]))
     if command == ["prepare"]:
+        import gc
+
         from launcher.prepare import main as prepare_main
 
-        sys.exit(prepare_main(sys.argv[2:]))
+        code = prepare_main(sys.argv[2:])
+        gc.freeze()  # as launcher.dist.exit_worker: no collection over datasets' objects at exit
+        sys.exit(code)
     from launcher.dist import exit_worker
     from launcher.main import main
 
