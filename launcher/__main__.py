@@ -19,7 +19,14 @@ if __name__ == "__main__":
         code = prepare_main(sys.argv[2:])
         gc.freeze()  # as launcher.dist.exit_worker: no collection over datasets' objects at exit
         sys.exit(code)
+    import gc
+
     from launcher.dist import exit_worker
     from launcher.main import main
 
+    # What the imports made (most of a worker's objects: torch's, datasets') lives as long as
+    # the process: kept out of every garbage collection from here on, which each walked all of
+    # it (the teardown's collections, the automatic ones while building and training): a
+    # two-rank launch of configs/tiny.yaml for 4 steps takes 14.4 s of CPU instead of 16.2.
+    gc.freeze()
     exit_worker(main())

@@ -175,7 +175,8 @@ def exit_worker(code: int) -> NoReturn:
         if t is not main and not t.daemon:
             t.join()  # what the interpreter's shutdown would wait for
     atexit._run_exitfuncs()
-    # A file object left open would have been flushed as the interpreter freed it.
+    # A file object left open would have been flushed as the interpreter freed it. (Objects
+    # frozen after the imports, launcher/__main__.py, are not listed: files the run opened are.)
     # (By type: isinstance would ask each object for __class__, and some warn when asked.)
     files = [o for o in gc.get_objects() if issubclass(type(o), io.IOBase)]
     for f in [*files, sys.stdout, sys.stderr]:
