@@ -1,7 +1,8 @@
 """Hugging Face models and tokenizers under torchrun (2 processes, gloo), from the ready configs
-configs/hf-pretrain.yaml and configs/sft-chat.yaml with a tiny local Llama and tokenizer: random
-SIGKILLs (some mid-save), relaunched with the same command until done, end bit-identical to the
-uninterrupted run (every logged loss, model and optimizer with torch.equal); a ZeRO-3 or FSDP
+configs/hf-pretrain.yaml and configs/sft-chat.yaml with a tiny local Llama and tokenizer: the
+pretraining run after random SIGKILLs (some mid-save), relaunched with the same command until
+done, and the chat run resumed mid-epoch end bit-identical to the uninterrupted run (every logged
+loss, model and optimizer with torch.equal); a ZeRO-3 or FSDP
 run resumes exactly after a SIGKILL and its checkpoint exports (--hf) a model whose logits equal
 the live one's. (ZeRO 1 and 2 keep a model file and an optimizer partition per rank whatever the
 model: their resumes are tests/test_core/engines/test_deepspeed.py's, on TinyGPT.)
@@ -16,9 +17,17 @@ import torch
 import torch.multiprocessing as mp
 
 from checkpointing.cli import main as export_main
-from tests.checkpoints import assert_same_checkpoint, assert_same_losses
+from tests.checkpoints import assert_same_checkpoint, assert_same_losses, seed_resume_dir
 from tests.conftest import free_port
-from tests.launch import REPO, kill_and_finish, last_checkpoint, launch, launcher_cmd, run
+from tests.launch import (
+    REPO,
+    kill_and_finish,
+    last_checkpoint,
+    launch,
+    launcher_cmd,
+    read_metrics,
+    run,
+)
 
 pytest.importorskip("transformers")
 
@@ -102,15 +111,17 @@ def test_hf_pretrain_config_trains_and_resumes_bit_identically_after_sigkills(
     assert_same_checkpoint(last_checkpoint(pretrain_ref), last_checkpoint(run_dir))
 
 
-def test_sft_chat_config_with_accumulation_resumes_bit_identically_after_sigkills(
-    hf_assets, cache, tmp_path
-):
-    args = sft_args(hf_assets)
+def test_sft_chat_config_with_accumulation_resumes_bit_identically(hf_assets, cache, tmp_path):
+    """Resumed from step 9, in its second epoch (SIGKILLs of an HF run: the pretraining test's;
+    what this config adds is the chat data, its masks and accumulation 4)."""
+    args = (*sft_args(hf_assets), "--checkpoint.save_total_limit", "null")  # keep checkpoint-9
     ref = tmp_path / "ref"
     output = launch(ref, args, cache)
     assert "train_on assistant" in output
     run_dir = tmp_path / "run"
-    kill_and_finish(run_dir, args, cache, ["step", "save"], seed=20)
+    seed_resume_dir(ref, run_dir, 9)
+    assert f"resumed from {run_dir / 'checkpoint-9'}" in launch(run_dir, args, cache)
+    assert [m["epoch"] for m in read_metrics(ref)][8] > 1  # step 9 is in the second epoch
     assert_same_losses(ref, run_dir)
     assert_same_checkpoint(last_checkpoint(ref), last_checkpoint(run_dir))
 
