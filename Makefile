@@ -39,7 +39,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/hadolint docker/Dockerfile docker/Dockerfile.cpu
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 # The second stage (root; CI runs it after `test`): the CPU image built and run by a real podman,
 # the Slurm recipe run by a real Slurm on this host. Installs Debian's podman, runc, debootstrap,
