@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import NoReturn
@@ -148,6 +149,40 @@ def destroy_distributed(clean: bool) -> None:
             logger.debug("%d process group(s) still referenced after the teardown", alive)
 
 
+EARLY_END_WAIT_S = 30.0
+"""How long a torchrun worker that fails before the process group exists waits for its peers."""
+
+
+def await_peers_ending_early(timeout_s: float = EARLY_END_WAIT_S) -> None:
+    """Under torchrun, for a worker that fails before any process group (a bad config, an
+    unwritable run directory): wait until every worker of the job came to such an end, or
+    `timeout_s`. torchrun stops all workers once the first one exits: without this, a peer that
+    exits first gets rank 0, which alone logs the reason, stopped before it says why (the job
+    fails without a word), and `python -m launcher.agent` sees workers that did not agree.
+
+    The workers meet on torchrun's own store (the agent hosts it), under a key of this attempt;
+    without an agent store (or after any error reaching it) there is nothing to wait on."""
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world < 2 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    key = f"launcher/ended-before-group/{env.get('TORCHELASTIC_RUN_ID')}/{env_restart_count()}"
+    try:
+        store = dist.TCPStore(
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        ended = store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while ended < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            ended = store.add(key, 0)
+    except Exception as e:  # torchrun's store: gone or unreachable, nobody to wait for
+        logger.debug("waiting for the other workers: %s: %s", type(e).__name__, e)
+
+
 def exit_worker(code: int) -> NoReturn:
     """End the process with `code`. One that never had a process group exits as usual, its
     objects left out of the teardown's garbage collection. One that had a group skips the
@@ -165,6 +200,8 @@ def exit_worker(code: int) -> NoReturn:
 
     The code is first recorded for `python -m launcher.agent` (launcher/agent.py)."""
     record_exit(code)
+    if code != 0 and not (_HAD_GROUP or dist.is_initialized()):
+        await_peers_ending_early()
     if not (_HAD_GROUP or dist.is_initialized()):
         # The teardown runs, minus the collector's walks over every object torch and datasets
         # made (1.3 s of CPU after a tiny run), which only free memory the OS frees anyway.

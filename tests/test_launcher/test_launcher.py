@@ -59,12 +59,15 @@ def test_bad_data_exits_2_and_writes_nothing(tmp_path):
 
 
 def test_bad_config_under_torchrun_fails_without_hanging(tmp_path):
-    """Workers exit 2 before any collective; torchrun itself then exits 1 (its own report)."""
+    """Workers exit 2 before any collective; torchrun itself then exits 1 (its own report).
+    Every worker ends by itself (launcher.dist.await_peers_ending_early): none is stopped by
+    torchrun because a peer exited first, so rank 0 always says why."""
     result = run_launcher(tmp_path / "run", 2, "--optim.name", "adam", timeout=120)
     assert result.returncode == 1
     worker_errors = [ln for ln in result.output.splitlines() if ln.startswith("[rank")]
     assert len(worker_errors) == 1 and "optim.name: unknown value 'adam'" in worker_errors[0]
     assert "(exitcode: 2)" in result.output
+    assert result.output.count("exitcode  : 2") == 2 and "SIGTERM" not in result.output
     assert not (tmp_path / "run").exists()
 
 
