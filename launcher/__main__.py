@@ -2,6 +2,7 @@
 prepare` writes token stores (launcher/prepare.py); `python -m launcher plot` and `python -m
 launcher status` look at runs instead of training (launcher/report.py)."""
 
+import gc
 import sys
 
 if __name__ == "__main__":
@@ -12,15 +13,11 @@ if __name__ == "__main__":
 
         sys.exit(report_main(sys.argv[1:]))
     if command == ["prepare"]:
-        import gc
-
         from launcher.prepare import main as prepare_main
 
         code = prepare_main(sys.argv[2:])
         gc.freeze()  # as launcher.dist.exit_worker: no collection over datasets' objects at exit
         sys.exit(code)
-    import gc
-
     from launcher.dist import exit_worker
     from launcher.main import main
 

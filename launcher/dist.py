@@ -200,9 +200,9 @@ def exit_worker(code: int) -> NoReturn:
 
     The code is first recorded for `python -m launcher.agent` (launcher/agent.py)."""
     record_exit(code)
-    if code != 0 and not (_HAD_GROUP or dist.is_initialized()):
-        await_peers_ending_early()
     if not (_HAD_GROUP or dist.is_initialized()):
+        if code != 0:
+            await_peers_ending_early()
         # The teardown runs, minus the collector's walks over every object torch and datasets
         # made (1.3 s of CPU after a tiny run), which only free memory the OS frees anyway.
         gc.freeze()
