@@ -153,7 +153,7 @@ EARLY_END_WAIT_S = 30.0
 """How long a torchrun worker that fails before the process group exists waits for its peers."""
 
 
-def await_peers_ending_early(timeout_s: float = EARLY_END_WAIT_S) -> None:
+def await_peers_ending_early(timeout_s: float = EARLY_END_WAIT_S) -> bool:
     """Under torchrun, for a worker that fails before any process group (a bad config, an
     unwritable run directory): wait until every worker of the job came to such an end, or
     `timeout_s`. torchrun stops all workers once the first one exits: without this, a peer that
@@ -161,11 +161,12 @@ def await_peers_ending_early(timeout_s: float = EARLY_END_WAIT_S) -> None:
     fails without a word), and `python -m launcher.agent` sees workers that did not agree.
 
     The workers meet on torchrun's own store (the agent hosts it), under a key of this attempt;
-    without an agent store (or after any error reaching it) there is nothing to wait on."""
+    without an agent store (or after any error reaching it) there is nothing to wait on.
+    True when it waited on the store (the workers end at about the same moment)."""
     env = os.environ
     world = int(env.get("WORLD_SIZE", "1"))
     if world < 2 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return
+        return False
     key = f"launcher/ended-before-group/{env.get('TORCHELASTIC_RUN_ID')}/{env_restart_count()}"
     try:
         store = dist.TCPStore(
@@ -181,11 +182,14 @@ def await_peers_ending_early(timeout_s: float = EARLY_END_WAIT_S) -> None:
             ended = store.add(key, 0)
     except Exception as e:  # torchrun's store: gone or unreachable, nobody to wait for
         logger.debug("waiting for the other workers: %s: %s", type(e).__name__, e)
+        return False
+    return True
 
 
 def exit_worker(code: int) -> NoReturn:
     """End the process with `code`. One that never had a process group exits as usual, its
-    objects left out of the teardown's garbage collection. One that had a group skips the
+    objects left out of the teardown's garbage collection. One that had a group, or that met its
+    peers to end early (await_peers_ending_early), skips the
     interpreter's own teardown, once everything Python-level is done (non-daemon threads
     joined, atexit handlers run: logging flushed, temporary files removed, child processes
     reaped; open files flushed).
@@ -200,9 +204,10 @@ def exit_worker(code: int) -> NoReturn:
 
     The code is first recorded for `python -m launcher.agent` (launcher/agent.py)."""
     record_exit(code)
-    if not (_HAD_GROUP or dist.is_initialized()):
-        if code != 0:
-            await_peers_ending_early()
+    # Peers that met before ending (await_peers_ending_early) leave together, quickly: a teardown
+    # still running when torchrun sees the first exit would be ended by its SIGTERM.
+    met = code != 0 and not (_HAD_GROUP or dist.is_initialized()) and await_peers_ending_early()
+    if not (_HAD_GROUP or dist.is_initialized() or met):
         # The teardown runs, minus the collector's walks over every object torch and datasets
         # made (1.3 s of CPU after a tiny run), which only free memory the OS frees anyway.
         gc.freeze()
